@@ -1,0 +1,211 @@
+"""The number format of ds_q8, written in plain PyTorch.
+
+This module is the specification: every fast kernel must produce exactly the codes that
+these functions produce.
+
+Format
+------
+A state tensor is flattened and cut into blocks of ``block_size`` elements (the last block may
+be shorter). Each block is scaled by its own absolute maximum (``absmax``, float32), and every
+scaled value, which lies in [-1, 1], is stored as the uint8 index of the nearest entry of a
+256-entry map (``code``).
+
+Exact rounding rule (kernels reproduce it bit for bit):
+
+* ``x`` is converted to float32 first.
+* ``absmax[b] = max(|x|)`` over block ``b`` (float32).
+* ``scale = 1.0f / absmax[b]`` (float32 division); a block whose absmax is 0 uses ``scale = 0``.
+* ``y = x * scale`` (one float32 multiply).
+* ``index = #{ i : mid[i] < y }`` where ``mid[i] = (code[i] + code[i + 1]) * 0.5f`` in float32;
+  a value exactly on a midpoint goes to the lower entry.
+
+Dequantization is ``code[index] * absmax[b]`` in float32, then a cast to the requested dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+MIN_BLOCK_SIZE = 64
+MAX_BLOCK_SIZE = 4096
+DEFAULT_BLOCK_SIZE = 2048
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_map_cache: dict = {}
+
+
+def create_dynamic_map(signed: bool = True) -> torch.Tensor:
+    """The 256 sorted float32 values of the dynamic tree map.
+
+    Each non-zero entry is ``10**e * f`` for a decimal exponent ``e`` in -6..0 and a linear
+    fraction ``f`` in (0.1, 1): the more leading zero bits an index has, the smaller the exponent
+    and the fewer bits remain for the fraction. For exponent step ``i`` (0..6) the fractions are
+    the midpoints of ``k`` evenly spaced points in [0.1, 1], with ``k = 2**i + 1`` for the signed
+    map (mirrored for negative values) and ``k = 2**(i + 1) + 1`` for the unsigned map, whose
+    sign bit serves as one more fraction bit. Both maps contain 0 and 1.0. The signed map holds
+    127 negative values, 0 and 128 positive values.
+    """
+    key = ("dynamic", bool(signed))
+    if key not in _map_cache:
+        values = [0.0, 1.0]
+        for i in range(7):
+            k = (2 ** i + 1) if signed else (2 ** (i + 1) + 1)
+            scale = 10.0 ** (i - 6)
+            for j in range(k - 1):
+                lo = 0.1 + 0.9 * j / (k - 1)
+                hi = 0.1 + 0.9 * (j + 1) / (k - 1)
+                v = scale * (lo + hi) / 2.0
+                values.append(v)
+                if signed:
+                    values.append(-v)
+        assert len(values) == 256, len(values)
+        _map_cache[key] = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
+    return _map_cache[key].clone()
+
+
+def create_linear_map(signed: bool = True) -> torch.Tensor:
+    """256 evenly spaced float32 values: [-1, 1] when signed, [0, 1] when not (for ablations)."""
+    key = ("linear", bool(signed))
+    if key not in _map_cache:
+        lo = -1.0 if signed else 0.0
+        _map_cache[key] = torch.linspace(lo, 1.0, 256, dtype=torch.float64).to(torch.float32)
+    return _map_cache[key].clone()
+
+
+def check_block_size(block_size, name: str = "block_size") -> int:
+    """Validate a block size; returns it as an int."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise ValueError(
+            f"{name} must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r}"
+        )
+    if not (MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE) or block_size & (block_size - 1):
+        raise ValueError(
+            f"{name} must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size}"
+        )
+    return block_size
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    return (numel + block_size - 1) // block_size
+
+
+def _check_code(code: Optional[torch.Tensor], device) -> torch.Tensor:
+    if code is None:
+        code = create_dynamic_map(signed=True)
+    if code.dtype != torch.float32 or code.numel() != 256:
+        raise ValueError(f"code must be a float32 tensor of 256 sorted values, got {code.dtype} with {code.numel()}")
+    return code.to(device)
+
+
+def midpoints(code: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries between neighbouring map entries, float32 (255 values)."""
+    return (code[:-1] + code[1:]) * 0.5
+
+
+def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block max |x| of a flat float32 tensor (float32, one entry per block)."""
+    n = x.numel()
+    nb = num_blocks(n, block_size)
+    pad = nb * block_size - n
+    a = x.abs()
+    if pad:
+        a = torch.nn.functional.pad(a, (0, pad))
+    return a.view(nb, block_size).amax(dim=1)
+
+
+def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Codes of a flat float32 tensor given its per-block absmax (no validation: internal)."""
+    n = x.numel()
+    nb = absmax.numel()
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    pad = nb * block_size - n
+    xs = torch.nn.functional.pad(x, (0, pad)) if pad else x
+    y = (xs.view(nb, block_size) * scale[:, None]).reshape(-1)[:n]
+    idx = torch.searchsorted(midpoints(code), y, right=False)
+    return idx.to(torch.uint8)
+
+
+def dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int) -> torch.Tensor:
+    """float32 values of flat codes (no validation: internal)."""
+    n = codes.numel()
+    nb = absmax.numel()
+    v = code[codes.long()]
+    pad = nb * block_size - n
+    if pad:
+        v = torch.nn.functional.pad(v, (0, pad))
+    return (v.view(nb, block_size) * absmax[:, None]).reshape(-1)[:n]
+
+
+def quantize_blockwise(
+    x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: int = DEFAULT_BLOCK_SIZE
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` block-wise: returns (codes uint8 shaped like x, absmax float32 per block).
+
+    Raises ValueError for non-finite input, unsupported dtypes and bad block sizes.
+    """
+    check_block_size(block_size)
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    code = _check_code(code, x.device)
+    flat = x.detach().reshape(-1).to(torch.float32)
+    if flat.numel() and not bool(torch.isfinite(flat).all()):
+        raise ValueError("quantize_blockwise: x contains NaN or Inf; only finite values can be quantized")
+    absmax = block_absmax(flat, block_size)
+    codes = quantize_with_absmax(flat, absmax, code, block_size)
+    return codes.view(x.shape), absmax
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    code: Optional[torch.Tensor] = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: a tensor of ``dtype`` shaped like ``codes``."""
+    check_block_size(block_size)
+    if codes.dtype != torch.uint8:
+        raise ValueError(f"codes must be uint8, got {codes.dtype}")
+    if absmax.dtype != torch.float32:
+        raise ValueError(f"absmax must be float32, got {absmax.dtype}")
+    expected = num_blocks(codes.numel(), block_size)
+    if absmax.numel() != expected:
+        raise ValueError(
+            f"absmax has {absmax.numel()} entries but {codes.numel()} codes with block_size={block_size} "
+            f"need {expected}"
+        )
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    code = _check_code(code, codes.device)
+    out = dequantize_flat(codes.reshape(-1), absmax.reshape(-1), code, block_size)
+    return out.to(dtype).view(codes.shape)
+
+
+def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:
+    """Per-entry half-width of the interval that rounds to each map entry (float64, 256 values).
+
+    A value that maps to entry ``i`` lies at most this far (times absmax) from ``code[i]``.
+    """
+    c = code.double()
+    gaps = c[1:] - c[:-1]
+    left = torch.cat([torch.zeros(1, dtype=torch.float64), gaps / 2])
+    right = torch.cat([gaps / 2, torch.zeros(1, dtype=torch.float64)])
+    return torch.maximum(left, right)
+
+
+__all__ = [
+    "create_dynamic_map",
+    "create_linear_map",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "check_block_size",
+    "num_blocks",
+    "block_absmax",
+    "midpoints",
+    "DEFAULT_BLOCK_SIZE",
+    "MIN_BLOCK_SIZE",
+    "MAX_BLOCK_SIZE",
+]
+

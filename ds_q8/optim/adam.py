@@ -1,0 +1,75 @@
+"""Adam and AdamW with 8-bit block-wise state."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+from .base import Optimizer8bitBlock, check_range, resolve_betas
+
+
+class _AdamBase(Optimizer8bitBlock):
+    state_names = ("exp_avg", "exp_avg_sq")
+    state_signed = (True, False)
+    decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
+                 block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic"):
+        if amsgrad:
+            raise ValueError("amsgrad=True is not supported by the 8-bit optimizers; use amsgrad=False")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      block_size=block_size, min_8bit_size=min_8bit_size,
+                                      optim_bits=optim_bits, quantization=quantization))
+
+    def _check_group(self, group: dict) -> None:
+        beta1, beta2 = resolve_betas(group["betas"])
+        group["betas"] = (beta1, beta2)
+        check_range("betas[0]", beta1, 0.0, 1.0, hi_open=True)
+        check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
+        check_range("eps", group["eps"], 0.0, math.inf)
+        check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
+
+    def _hyper(self, group: dict, step: int) -> Dict[str, float]:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        return dict(
+            beta1=beta1,
+            one_minus_beta1=1.0 - beta1,
+            beta2=beta2,
+            one_minus_beta2=1.0 - beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            decay_factor=1.0 - lr * group["weight_decay"],
+            step_size=lr / (1.0 - beta1 ** step),
+            bias_correction2_sqrt=math.sqrt(1.0 - beta2 ** step),
+        )
+
+    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
+        m, v = states
+        if h["weight_decay"] != 0.0:
+            if self.decoupled:
+                p.mul_(h["decay_factor"])
+            else:
+                g = g + p * h["weight_decay"]
+        m.mul_(h["beta1"]).add_(g * h["one_minus_beta1"])
+        v.mul_(h["beta2"]).add_((g * g) * h["one_minus_beta2"])
+        denom = (v.sqrt() / h["bias_correction2_sqrt"]).add_(h["eps"])
+        p.sub_((m / denom) * h["step_size"])
+
+
+class Adam8bitBlock(_AdamBase):
+    """torch.optim.Adam (L2 weight decay added to the gradient) with 8-bit block-wise state."""
+    update_rule = "adam"
+
+
+class AdamW8bitBlock(_AdamBase):
+    """torch.optim.AdamW (decoupled weight decay, default 1e-2) with 8-bit block-wise state."""
+    update_rule = "adamw"
+    decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic"):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         block_size=block_size, min_8bit_size=min_8bit_size, optim_bits=optim_bits,
+                         quantization=quantization)

@@ -1,0 +1,327 @@
+"""One base class for every ds_q8 optimizer.
+
+It owns what all of them share: argument checks, the state layout (8-bit codes plus per-block
+absmax, or fp32 for small tensors and 32-bit groups), lazy state creation, the chunked
+dequantize -> update -> requantize loop of the reference path, dispatch to fused kernels, and a
+``load_state_dict`` that keeps uint8 codes uint8.
+
+A concrete optimizer supplies only
+  * ``state_names``: torch's names of its states (``("exp_avg", "exp_avg_sq")``),
+  * ``state_signed``: which map each state uses (signed for moments that change sign),
+  * ``update_rule``: the name under which the fused kernels know its update,
+  * ``_check_group``: validation of its own hyperparameters,
+  * ``_hyper``: the step's scalars (python floats), computed once per parameter and step,
+  * ``_update_fp32``: the update on float32 tensors, written as one IEEE operation per line so
+    that a compiled kernel can reproduce it exactly.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+from .. import functional as F
+
+#: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
+OPTIM_BITS_ATTR = "ds_q8_optim_bits"
+
+# Elements processed per chunk by the reference path: bounds its fp32 temporaries.
+_REFERENCE_CHUNK = 1 << 20
+
+_QUANTIZATIONS = ("dynamic", "linear")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+    """Raise ValueError naming ``name`` unless ``value`` is a number in the stated interval."""
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    interval = f"{left}{lo}, {hi}{right}"
+    if not _is_number(value) or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if bad_lo or bad_hi:
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def get_map(kind: str, signed: bool, device) -> torch.Tensor:
+    """The 256-entry map for a quantization kind, cached per device."""
+    key = (kind, signed, str(device))
+    m = _device_maps.get(key)
+    if m is None:
+        base = F.create_dynamic_map(signed) if kind == "dynamic" else F.create_linear_map(signed)
+        m = base.to(device)
+        _device_maps[key] = m
+    return m
+
+
+_device_maps: Dict[tuple, torch.Tensor] = {}
+
+
+class Optimizer8bitBlock(torch.optim.Optimizer):
+    state_names: tuple = ()
+    state_signed: tuple = ()
+    update_rule: str = ""
+
+    def __init__(self, params, defaults: dict):
+        common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic")
+        common.update(defaults)
+        super().__init__(params, common)
+
+    # ------------------------------------------------------------------ checks
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_common(group)
+            self._check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+
+    def _check_common(self, group: dict) -> None:
+        check_range("lr", group["lr"], 0.0, math.inf)
+        F.check_block_size(group["block_size"])
+        mbs = group["min_8bit_size"]
+        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
+            raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
+        if group["optim_bits"] not in (8, 32) or isinstance(group["optim_bits"], bool):
+            raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+        if group["quantization"] not in _QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {_QUANTIZATIONS}, got {group['quantization']!r}")
+
+    def _check_group(self, group: dict) -> None:
+        """Validate optimizer-specific hyperparameters (override)."""
+
+    # ------------------------------------------------------------------ state
+    def _uses_8bit(self, p: torch.Tensor, group: dict) -> bool:
+        if getattr(p, OPTIM_BITS_ATTR, None) == 32:
+            return False
+        return group["optim_bits"] == 8 and p.numel() >= group["min_8bit_size"]
+
+    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = 0
+        if self._uses_8bit(p, group):
+            nb = F.num_blocks(p.numel(), group["block_size"])
+            for i, signed in enumerate(self.state_signed, start=1):
+                zero_index = int(torch.argmin(get_map(group["quantization"], signed, "cpu").abs()))
+                state[f"state{i}"] = torch.full(p.shape, zero_index, dtype=torch.uint8, device=p.device)
+                state[f"absmax{i}"] = torch.zeros(nb, dtype=torch.float32, device=p.device)
+        else:
+            for i in range(1, len(self.state_signed) + 1):
+                state[f"state{i}"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+    @staticmethod
+    def is_8bit_state(state: dict) -> bool:
+        s = state.get("state1")
+        return s is not None and s.dtype == torch.uint8
+
+    def _maps(self, group: dict, device) -> List[torch.Tensor]:
+        return [get_map(group["quantization"], s, device) for s in self.state_signed]
+
+    def _find_group(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError("parameter is not managed by this optimizer")
+
+    def dequantized_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """fp32 copies of ``p``'s state under torch's names (empty before the first step)."""
+        state = self.state.get(p, {})
+        if "state1" not in state:
+            return {}
+        group = self._find_group(p)
+        out = {}
+        if self.is_8bit_state(state):
+            for i, (name, m) in enumerate(zip(self.state_names, self._maps(group, p.device)), start=1):
+                out[name] = F.dequantize_flat(
+                    state[f"state{i}"].reshape(-1), state[f"absmax{i}"], m, group["block_size"]
+                ).view(p.shape)
+        else:
+            for i, name in enumerate(self.state_names, start=1):
+                out[name] = state[f"state{i}"].detach().clone()
+        return out
+
+    def load_dequantized_state(self, p: torch.Tensor, values: Dict[str, torch.Tensor], step: int) -> None:
+        """Set ``p``'s state from fp32 tensors named as in :meth:`dequantized_state` (requantizing)."""
+        group = self._find_group(p)
+        missing = [n for n in self.state_names if n not in values]
+        if missing:
+            raise KeyError(f"state for {self.__class__.__name__} needs {list(self.state_names)}, missing {missing}")
+        fresh: dict = {}
+        self._init_state(p, group, fresh)
+        fresh["step"] = int(step)
+        eight = self.is_8bit_state(fresh)
+        for i, (name, m) in enumerate(zip(self.state_names, self._maps(group, p.device)), start=1):
+            v = values[name].detach().to(device=p.device, dtype=torch.float32).reshape(-1)
+            if v.numel() != p.numel():
+                raise ValueError(f"state '{name}' has {v.numel()} elements, the parameter has {p.numel()}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"state '{name}' contains NaN or Inf")
+            if eight:
+                am = F.block_absmax(v, group["block_size"])
+                fresh[f"absmax{i}"] = am
+                fresh[f"state{i}"] = F.quantize_with_absmax(v, am, m, group["block_size"]).view(p.shape)
+            else:
+                fresh[f"state{i}"] = v.clone().view(p.shape)
+        self.state[p] = fresh
+
+    # ------------------------------------------------------------------ step
+    def _hyper(self, group: dict, step: int) -> Dict[str, float]:
+        raise NotImplementedError
+
+    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        f"{self.__class__.__name__} does not support sparse gradients; "
+                        "use a dense embedding (sparse=False)"
+                    )
+                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                    raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
+                state = self.state[p]
+                if "state1" not in state:
+                    self._init_state(p, group, state)
+                state["step"] = int(state["step"]) + 1
+                h = self._hyper(group, state["step"])
+                self._step_param(p, grad, state, group, h)
+        return loss
+
+    def _step_param(self, p, grad, state, group, h) -> None:
+        if self.is_8bit_state(state):
+            from .. import ops
+
+            if not ops.fused_step(self, p, grad, state, group, h):
+                self._reference_step_8bit(p, grad, state, group, h)
+        else:
+            self._reference_step_32bit(p, grad, state, h)
+
+    def _reference_step_32bit(self, p, grad, state, h) -> None:
+        states = [state[f"state{i}"] for i in range(1, len(self.state_signed) + 1)]
+        if p.dtype == torch.float32:
+            self._update_fp32(p.data, grad.to(torch.float32), states, h)
+        else:
+            p32 = p.data.to(torch.float32)
+            self._update_fp32(p32, grad.to(torch.float32), states, h)
+            p.data.copy_(p32)
+
+    def _reference_step_8bit(self, p, grad, state, group, h) -> None:
+        bs = group["block_size"]
+        maps = self._maps(group, p.device)
+        n = p.numel()
+        pf = p.data.view(-1)
+        gf = grad.reshape(-1)
+        k = len(self.state_signed)
+        codes = [state[f"state{i}"].view(-1) for i in range(1, k + 1)]
+        absmax = [state[f"absmax{i}"] for i in range(1, k + 1)]
+        chunk = max(bs, _REFERENCE_CHUNK // bs * bs)
+        for start in range(0, n, chunk):
+            end = min(n, start + chunk)
+            b0, b1 = start // bs, F.num_blocks(end, bs)
+            p32 = pf[start:end] if p.dtype == torch.float32 else pf[start:end].to(torch.float32)
+            g32 = gf[start:end].to(torch.float32)
+            states = [F.dequantize_flat(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(codes, absmax, maps)]
+            self._update_fp32(p32, g32, states, h)
+            for c, a, m, s in zip(codes, absmax, maps, states):
+                new_absmax = F.block_absmax(s, bs)
+                a[b0:b1] = new_absmax
+                c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs)
+            if p.dtype != torch.float32:
+                pf[start:end].copy_(p32)
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load like torch, but keep every state tensor in the dtype it was saved with.
+
+        torch's loader casts floating state to the parameter's dtype, which would turn uint8
+        codes into floats and fp32 absmax into bf16. The saved dtypes are restored and the
+        state is checked against the parameters before anything is replaced.
+        """
+        saved_groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+            raise ValueError("optimizer state_dict must have 'state' (dict) and 'param_groups' (list)")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"checkpoint has {len(saved_groups)} parameter groups, this optimizer has {len(self.param_groups)}"
+            )
+        pairs = []
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(
+                    f"group {gi}: checkpoint has {len(sg['params'])} parameters, optimizer has {len(g['params'])}"
+                )
+            for pid, p in zip(sg["params"], g["params"]):
+                pairs.append((pid, p, sg))
+        for pid, p, sg in pairs:
+            if pid in saved_state:
+                self._check_saved_state(saved_state[pid], p, sg)
+        super().load_state_dict(state_dict)
+        for pid, p, _ in pairs:
+            if pid not in saved_state:
+                continue
+            restored = {}
+            for key, value in saved_state[pid].items():
+                if torch.is_tensor(value) and key != "step":
+                    restored[key] = value.detach().to(device=p.device, dtype=value.dtype).clone()
+                elif key == "step":
+                    restored[key] = int(value.item()) if torch.is_tensor(value) else int(value)
+                else:
+                    restored[key] = value
+            self.state[p] = restored
+
+    def _check_saved_state(self, st: dict, p: torch.Tensor, group: dict) -> None:
+        name = self.__class__.__name__
+        k = len(self.state_signed)
+        expected = [f"state{i}" for i in range(1, k + 1)]
+        if not st:
+            return
+        missing = [key for key in expected + ["step"] if key not in st]
+        if missing:
+            raise ValueError(f"checkpoint state for a parameter of shape {tuple(p.shape)} lacks {missing}: "
+                             f"not a {name} checkpoint")
+        for i in range(1, k + 1):
+            s = st[f"state{i}"]
+            if s.numel() != p.numel():
+                raise ValueError(
+                    f"checkpoint state{i} has {s.numel()} elements but the parameter of shape {tuple(p.shape)} "
+                    f"has {p.numel()}: the checkpoint belongs to another model or partitioning"
+                )
+            if s.dtype == torch.uint8:
+                bs = group.get("block_size")
+                F.check_block_size(bs, "checkpoint block_size")
+                a = st.get(f"absmax{i}")
+                if a is None or a.numel() != F.num_blocks(p.numel(), bs):
+                    got = None if a is None else a.numel()
+                    raise ValueError(
+                        f"checkpoint absmax{i} has {got} entries; {p.numel()} elements with block_size={bs} "
+                        f"need {F.num_blocks(p.numel(), bs)}"
+                    )
+            elif s.dtype != torch.float32:
+                raise ValueError(f"checkpoint state{i} has dtype {s.dtype}; expected uint8 or float32")
+
+
+def resolve_betas(betas) -> tuple:
+    if isinstance(betas, (list, tuple)) and len(betas) == 2:
+        return tuple(betas)
+    raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
+
+
+__all__ = ["Optimizer8bitBlock", "check_range", "get_map", "OPTIM_BITS_ATTR"]

@@ -1,0 +1,32 @@
+"""Make ds_q8 optimizers selectable by name from a DeepSpeed JSON config.
+
+DeepSpeed resolves an optimizer ``"type"`` it does not know as an attribute of ``torch.optim``,
+and ZeRO accepts only optimizer classes listed in ``ZERO_SUPPORTED_OPTIMIZERS``. Registering
+therefore means both: the class on ``torch.optim`` and the class in that list.
+"""
+from __future__ import annotations
+
+import torch
+
+from .optim import Adam8bitBlock, AdamW8bitBlock, Momentum8bitBlock
+
+#: DeepSpeed JSON ``"type"`` name -> optimizer class
+OPTIMIZERS = {
+    "Adam8bitBlock": Adam8bitBlock,
+    "AdamW8bitBlock": AdamW8bitBlock,
+    "Momentum8bitBlock": Momentum8bitBlock,
+}
+
+
+def register_with_deepspeed() -> bool:
+    """Register every ds_q8 optimizer; returns False when DeepSpeed is not installed."""
+    for name, cls in OPTIMIZERS.items():
+        setattr(torch.optim, name, cls)
+    try:
+        from deepspeed.runtime.zero import utils as zero_utils
+    except ImportError:
+        return False
+    for cls in OPTIMIZERS.values():
+        if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+            zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
+    return True
