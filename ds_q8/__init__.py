@@ -1,6 +1,7 @@
 """ds_q8: 8-bit optimizers via block-wise quantization, as a DeepSpeed extension."""
 from . import functional
 from .functional import create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from .groups import param_groups
 from .nn import StableEmbedding
 from .optim import Adam8bitBlock, AdamW8bitBlock, Momentum8bitBlock, Optimizer8bitBlock
 from .registry import OPTIMIZERS, register_with_deepspeed
@@ -15,6 +16,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "StableEmbedding",
+    "param_groups",
     "Optimizer8bitBlock",
     "Adam8bitBlock",
     "AdamW8bitBlock",
