@@ -1,0 +1,188 @@
+"""The number format: map construction, block-wise quantization, error bounds, bad input."""
+import numpy as np
+import pytest
+import torch
+
+from ds_q8 import functional as F
+
+
+def independent_dynamic_map(signed: bool) -> np.ndarray:
+    """The dynamic tree map built the way the method describes it, with numpy, independently."""
+    vals = [0.0, 1.0]
+    for i in range(7):
+        k = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
+        edges = np.linspace(0.1, 1.0, k)
+        mids = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (i - 6)
+        vals += list(mids)
+        if signed:
+            vals += list(-mids)
+    return np.sort(np.array(vals))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_matches_construction(signed):
+    m = F.create_dynamic_map(signed)
+    assert m.dtype == torch.float32 and m.shape == (256,)
+    ref = independent_dynamic_map(signed)
+    np.testing.assert_allclose(m.double().numpy(), ref, rtol=1e-6, atol=0)
+    assert bool((m[1:] > m[:-1]).all()), "map must be strictly increasing"
+    assert 0.0 in m.tolist() and 1.0 in m.tolist()
+
+
+def test_dynamic_map_shape_of_values():
+    signed = F.create_dynamic_map(True)
+    assert int((signed < 0).sum()) == 127 and int((signed > 0).sum()) == 128
+    unsigned = F.create_dynamic_map(False)
+    assert float(unsigned.min()) == 0.0 and int((unsigned > 0).sum()) == 255
+    # smallest non-zero magnitudes sit at 1e-6 scale, the largest exponent step reaches 1
+    assert 1e-7 < float(signed[signed > 0].min()) < 1e-6
+    # unsigned map resolves small values more finely: it spends the sign bit on the fraction
+    assert float(unsigned[1]) < float(signed[signed > 0].min())
+
+
+def test_map_is_returned_as_a_copy():
+    a = F.create_dynamic_map()
+    a.zero_()
+    assert float(F.create_dynamic_map().abs().max()) == 1.0
+
+
+def brute_force_nearest(x: torch.Tensor, code: torch.Tensor, block_size: int):
+    """Nearest entry by exhaustive distance, ties to the lower entry (an independent reading of the spec)."""
+    flat = x.reshape(-1).float()
+    nb = F.num_blocks(flat.numel(), block_size)
+    absmax = torch.stack([flat[b * block_size:(b + 1) * block_size].abs().max() for b in range(nb)])
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    y = flat * scale.repeat_interleave(block_size)[: flat.numel()]
+    mid = (code[:-1] + code[1:]) * 0.5
+    idx = (y[:, None] > mid[None, :]).sum(1)
+    return idx.to(torch.uint8).view(x.shape), absmax
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("n,bs", [(1, 64), (63, 64), (64, 64), (1000, 256), (5000, 2048), (4097, 4096)])
+def test_quantize_matches_exhaustive_search(signed, n, bs):
+    g = torch.Generator().manual_seed(n + bs)
+    x = torch.randn(n, generator=g) * 3
+    if not signed:
+        x = x.abs()
+    code = F.create_dynamic_map(signed)
+    codes, absmax = F.quantize_blockwise(x, code, bs)
+    ref_codes, ref_absmax = brute_force_nearest(x, code, bs)
+    assert torch.equal(absmax, ref_absmax)
+    assert torch.equal(codes, ref_codes)
+
+
+def test_values_on_map_entries_roundtrip_exactly():
+    code = F.create_dynamic_map(True)
+    x = code.clone()  # absmax of this block is exactly 1
+    codes, absmax = F.quantize_blockwise(x, code, 256)
+    assert float(absmax[0]) == 1.0
+    assert torch.equal(codes.long(), torch.arange(256))
+    assert torch.equal(F.dequantize_blockwise(codes, absmax, code, 256), x)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("dist", ["normal", "heavy_tailed", "uniform"])
+def test_roundtrip_error_is_bounded_per_element(signed, dist):
+    """|x - deq(q(x))| <= half the gap to the neighbouring entry, times the block's absmax."""
+    g = torch.Generator().manual_seed(7)
+    n, bs = 3 * 2048 + 123, 2048
+    if dist == "normal":
+        x = torch.randn(n, generator=g)
+    elif dist == "heavy_tailed":
+        x = torch.randn(n, generator=g) ** 3
+    else:
+        x = torch.rand(n, generator=g) * 2 - 1
+    if not signed:
+        x = x.abs()
+    code = F.create_dynamic_map(signed)
+    codes, absmax = F.quantize_blockwise(x, code, bs)
+    back = F.dequantize_blockwise(codes, absmax, code, bs)
+    bound = F.quantization_error_bound(code)[codes.long()] * absmax.double().repeat_interleave(bs)[:n]
+    err = (x.double() - back.double()).abs()
+    # one float32 rounding of the scaled value may push it just past a midpoint
+    slack = 4 * torch.finfo(torch.float32).eps * absmax.double().repeat_interleave(bs)[:n]
+    assert bool((err <= bound + slack).all()), float((err - bound).max())
+    # and the error is small on average for these well-behaved inputs
+    assert float((err / absmax.double().repeat_interleave(bs)[:n]).mean()) < 0.01
+
+
+def test_blockwise_beats_tensorwise_with_outliers():
+    """The motivation of block-wise scaling: one outlier ruins the resolution of a whole tensor-wide scale."""
+    g = torch.Generator().manual_seed(0)
+    n = 64 * 2048
+    x = torch.randn(n, generator=g) * 1e-3
+    x[12345] = 50.0  # a single outlier
+    code = F.create_dynamic_map(True)
+
+    codes, absmax = F.quantize_blockwise(x, code, 2048)
+    err_block = (F.dequantize_blockwise(codes, absmax, code, 2048) - x).abs().mean()
+
+    # tensor-wise: one scale for everything (block as large as the tensor)
+    am = x.abs().max().reshape(1)
+    t_codes = F.quantize_with_absmax(x, am, code, n)
+    err_tensor = (F.dequantize_flat(t_codes, am, code, n) - x).abs().mean()
+    assert float(err_block) * 5 < float(err_tensor), (float(err_block), float(err_tensor))
+
+
+def test_zero_blocks_give_exact_zeros():
+    x = torch.zeros(5000)
+    x[4500] = 1.5
+    codes, absmax = F.quantize_blockwise(x)
+    assert absmax.tolist()[:2] == [0.0, 0.0]
+    back = F.dequantize_blockwise(codes, absmax)
+    assert torch.equal(back, x)
+    assert not torch.isnan(back).any()
+
+
+def test_empty_tensor():
+    codes, absmax = F.quantize_blockwise(torch.empty(0))
+    assert codes.shape == (0,) and codes.dtype == torch.uint8 and absmax.numel() == 0
+    assert F.dequantize_blockwise(codes, absmax).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_half_precision_input_and_output(dtype):
+    x = torch.randn(3, 1000).to(dtype)
+    codes, absmax = F.quantize_blockwise(x, block_size=512)
+    assert codes.shape == x.shape and absmax.dtype == torch.float32
+    ref_codes, _ = F.quantize_blockwise(x.float(), block_size=512)
+    assert torch.equal(codes, ref_codes)
+    back = F.dequantize_blockwise(codes, absmax, block_size=512, dtype=dtype)
+    assert back.dtype == dtype and back.shape == x.shape
+    assert float((back.float() - x.float()).abs().max()) < 0.05 * float(x.float().abs().max())
+
+
+def test_unsigned_map_on_signed_data_clamps_to_zero_not_nan():
+    x = -torch.rand(3000)
+    code = F.create_dynamic_map(False)
+    codes, absmax = F.quantize_blockwise(x, code)
+    assert int(codes.max()) == 0
+    assert torch.equal(F.dequantize_blockwise(codes, absmax, code), torch.zeros(3000))
+
+
+@pytest.mark.parametrize("bs", [0, 32, 100, 1000, 8192, 2048.0, True, "2048"])
+def test_bad_block_size(bs):
+    with pytest.raises(ValueError, match=r"block_size must be a power of two in \[64, 4096\]"):
+        F.quantize_blockwise(torch.randn(10), block_size=bs)
+    with pytest.raises(ValueError, match="block_size"):
+        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(1), block_size=bs)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused(bad):
+    x = torch.randn(100)
+    x[17] = bad
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        F.quantize_blockwise(x)
+
+
+def test_bad_dtypes_and_shapes():
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        F.quantize_blockwise(torch.arange(10))
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        F.dequantize_blockwise(torch.zeros(10), torch.zeros(1))
+    with pytest.raises(ValueError, match="absmax has 2 entries"):
+        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(2))
+    with pytest.raises(ValueError, match="256"):
+        F.quantize_blockwise(torch.randn(10), code=torch.zeros(10))
