@@ -22,6 +22,7 @@ from typing import Dict, List
 import torch
 
 from .. import functional as F
+from . import nonfinite as NF
 
 #: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
 OPTIM_BITS_ATTR = "ds_q8_optim_bits"
@@ -68,9 +69,12 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     state_signed: tuple = ()
     update_rule: str = ""
 
-    def __init__(self, params, defaults: dict):
+    def __init__(self, params, defaults: dict, nonfinite: str = "skip"):
         common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic")
         common.update(defaults)
+        self.nonfinite = NF.check_mode(nonfinite)
+        #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
+        self.skipped_steps = 0
         super().__init__(params, common)
 
     # ------------------------------------------------------------------ checks
@@ -184,24 +188,35 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        work = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                grad = p.grad
-                if grad.is_sparse:
+                if p.grad.is_sparse:
                     raise RuntimeError(
                         f"{self.__class__.__name__} does not support sparse gradients; "
                         "use a dense embedding (sparse=False)"
                     )
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
-                state = self.state[p]
-                if "state1" not in state:
-                    self._init_state(p, group, state)
-                state["step"] = int(state["step"]) + 1
-                h = self._hyper(group, state["step"])
-                self._step_param(p, grad, state, group, h)
+                work.append((group, p))
+        if self.nonfinite != "off" and not NF.grads_all_finite([p.grad for _, p in work]):
+            if self.nonfinite == "raise":
+                raise FloatingPointError(
+                    f"{self.__class__.__name__}: a gradient contains NaN or Inf; nothing was updated "
+                    "(nonfinite='raise'; use 'skip' to skip such steps)"
+                )
+            NF.report_skip(self)
+            return loss
+        for group, p in work:
+            grad = p.grad
+            state = self.state[p]
+            if "state1" not in state:
+                self._init_state(p, group, state)
+            state["step"] = int(state["step"]) + 1
+            h = self._hyper(group, state["step"])
+            self._step_param(p, grad, state, group, h)
         return loss
 
     def _step_param(self, p, grad, state, group, h) -> None:

@@ -1,0 +1,73 @@
+"""A NaN or Inf gradient never reaches the 8-bit state."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import ds_q8
+
+
+def setup(nonfinite="skip"):
+    torch.manual_seed(0)
+    model = nn.Linear(100, 100)
+    opt = ds_q8.Adam8bitBlock(model.parameters(), lr=1e-2, block_size=256, nonfinite=nonfinite)
+    for _ in range(3):
+        model(torch.randn(8, 100)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def snapshot(model, opt):
+    return copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+
+def poison(model, value):
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    model.weight.grad[3, 7] = value
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_skip_leaves_params_and_state_untouched(value):
+    model, opt = setup("skip")
+    before_m, before_o = snapshot(model, opt)
+    poison(model, value)
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        opt.step()
+    after_m, after_o = snapshot(model, opt)
+    for k in before_m:
+        assert torch.equal(before_m[k], after_m[k])
+    for pid, st in before_o["state"].items():
+        for key, v in st.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(after_o["state"][pid][key])), key
+    assert opt.skipped_steps == 1
+    # the next finite step proceeds normally, from step 4
+    opt.zero_grad()
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    opt.step()
+    assert opt.state[model.weight]["step"] == 4
+    assert torch.isfinite(opt.state[model.weight]["absmax1"]).all()
+
+
+def test_raise_changes_nothing():
+    model, opt = setup("raise")
+    before_m, _ = snapshot(model, opt)
+    poison(model, float("nan"))
+    with pytest.raises(FloatingPointError, match="NaN or Inf"):
+        opt.step()
+    for k, v in model.state_dict().items():
+        assert torch.equal(before_m[k], v)
+    assert opt.state[model.weight]["step"] == 3
+
+
+def test_off_does_not_check():
+    model, opt = setup("off")
+    poison(model, float("nan"))
+    opt.step()
+    assert opt.skipped_steps == 0 and opt.state[model.weight]["step"] == 4
+
+
+def test_bad_mode():
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'raise', 'off'\), got 'ignore'"):
+        ds_q8.AdamW8bitBlock([nn.Parameter(torch.zeros(3))], nonfinite="ignore")
