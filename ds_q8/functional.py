@@ -184,14 +184,16 @@ def dequantize_blockwise(
 
 
 def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:
-    """Per-entry half-width of the interval that rounds to each map entry (float64, 256 values).
+    """Per-entry largest distance from ``code[i]`` of a value in [-1, 1] that rounds to entry ``i``
+    (float64, 256 values). Times absmax, it bounds the round-trip error of each element.
 
-    A value that maps to entry ``i`` lies at most this far (times absmax) from ``code[i]``.
+    The outer entries also cover the ends of the range: the signed dynamic map has no -1.0, so
+    its first entry takes every value down to -1.
     """
     c = code.double()
-    gaps = c[1:] - c[:-1]
-    left = torch.cat([torch.zeros(1, dtype=torch.float64), gaps / 2])
-    right = torch.cat([gaps / 2, torch.zeros(1, dtype=torch.float64)])
+    half_gaps = (c[1:] - c[:-1]) / 2
+    left = torch.cat([(c[:1] + 1.0).clamp(min=0.0), half_gaps])
+    right = torch.cat([half_gaps, (1.0 - c[-1:]).clamp(min=0.0)])
     return torch.maximum(left, right)
 
 
