@@ -303,6 +303,14 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self.load_dequantized_state(p, values, step)
         return True
 
+    def adopt_loaded_state(self) -> int:
+        """Requantize fp32 state that a loader wrote straight into ``self.state``.
+
+        :meth:`step` does this by itself; call it to inspect the state right after DeepSpeed's
+        universal-checkpoint loader ran. Returns the number of parameters converted.
+        """
+        return sum(self._adopt_fp32_state(p, st) for p, st in list(self.state.items()))
+
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd[STATE_DICT_MARKER] = {"optimizer": type(self).__name__}

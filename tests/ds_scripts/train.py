@@ -55,7 +55,22 @@ def state_summary(engine):
             if torch.is_tensor(v):
                 kinds.setdefault(k, sorted({*kinds.get(k, []), str(v.dtype).replace("torch.", "")}))
     steps = sorted({int(st["step"]) for st in opt.state.values() if "step" in st})
-    return type(opt).__name__, kinds, steps
+    entries = sorted([int(st["state1"].numel()), str(st["state1"].dtype).replace("torch.", "")]
+                     for st in opt.state.values() if "state1" in st)
+    return type(opt).__name__, kinds, steps, entries
+
+
+def dump_state(engine, prefix, rank):
+    """Save this rank's optimizer state as fp32 (per group, in group order) right after loading."""
+    opt = engine.optimizer.optimizer
+    opt.adopt_loaded_state()
+    groups = []
+    for g in opt.param_groups:
+        p = g["params"][0]
+        st = opt.state.get(p, {})
+        groups.append({"values": opt.dequantized_state(p), "step": st.get("step"),
+                       "dtypes": {k: str(v.dtype) for k, v in st.items() if torch.is_tensor(v)}})
+    torch.save(groups, f"{prefix}.rank{rank}.pt")
 
 
 def run_job(job, rank, world):
@@ -77,6 +92,8 @@ def run_job(job, rank, world):
         return rec
     if job.get("expect_error"):
         raise AssertionError(f"job {job['name']} was expected to fail but did not")
+    if job.get("dump_state"):
+        dump_state(engine, job["dump_state"], rank)
     gas = job["config"].get("gradient_accumulation_steps", 1)
     start = job.get("start_step", 0)
     losses, lrs = [], []
@@ -95,13 +112,13 @@ def run_job(job, rank, world):
         lrs.append(engine.get_lr()[0])
         if job.get("save") and job["save"][2] == step + 1:
             engine.save_checkpoint(job["save"][0], tag=job["save"][1])
-    name, kinds, steps = state_summary(engine)
+    name, kinds, steps, entries = state_summary(engine)
     by_rank = [None] * world
     dist.all_gather_object(by_rank, measured_state_bytes(engine))
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
-               group_bits=[g.get("optim_bits") for g in engine.optimizer.optimizer.param_groups]
-               if hasattr(engine.optimizer, "optimizer") else None)
-    engine.destroy() if hasattr(engine, "destroy") else None
+               state_entries=entries)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
     return rec
 
 
