@@ -25,13 +25,13 @@ VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
 
 
 class TinyLM(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden=HIDDEN):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.fc1 = nn.Linear(DIM, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, HIDDEN)
-        self.norm = nn.LayerNorm(HIDDEN)
-        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.fc1 = nn.Linear(DIM, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, VOCAB)
 
     def forward(self, x):
         h = torch.nn.functional.gelu(self.fc1(self.emb(x)))
@@ -75,7 +75,7 @@ def dump_state(engine, prefix, rank):
 
 def run_job(job, rank, world):
     torch.manual_seed(job.get("seed", 0))
-    model = TinyLM()
+    model = TinyLM(job.get("hidden", HIDDEN))
     params = ds_q8.param_groups(model, weight_decay=0.01) if job.get("param_groups") else model.parameters()
     rec = {}
     phase = "initialize"
