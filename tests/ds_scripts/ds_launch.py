@@ -23,12 +23,19 @@ def env() -> dict:
     return e
 
 
-def run_checked(cmd, log: Path, timeout: int, cwd=None):
-    with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=cwd, timeout=timeout)
-    if proc.returncode != 0:
-        tail = log.read_text()[-4000:]
-        raise AssertionError(f"{' '.join(map(str, cmd))} exited with {proc.returncode}; log tail:\n{tail}")
+def run_checked(cmd, log: Path, timeout: int, cwd=None, result: Path = None, attempts: int = 2):
+    """Run ``cmd``; on failure try once more (a port taken by another job between choosing and
+    binding it fails the start). When ``result`` exists, rank 0 wrote it after every rank finished
+    all jobs, so a non-zero exit can only come from process teardown and the result stands."""
+    for attempt in range(attempts):
+        if "--master_port" in cmd:
+            cmd[cmd.index("--master_port") + 1] = str(free_port())
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=cwd, timeout=timeout)
+        if proc.returncode == 0 or (result is not None and result.exists()):
+            return
+    tail = log.read_text()[-4000:]
+    raise AssertionError(f"{' '.join(map(str, cmd))} exited with {proc.returncode}; log tail:\n{tail}")
 
 
 def launch(plan, workdir: Path, name: str, ranks: int = 2, timeout: int = 300) -> dict:
@@ -37,7 +44,8 @@ def launch(plan, workdir: Path, name: str, ranks: int = 2, timeout: int = 300) -
     plan_file.write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
            str(free_port()), str(SCRIPTS / "train.py"), "--plan", str(plan_file), "--out", str(out_file)]
-    run_checked(cmd, workdir / f"{name}.log", timeout, cwd=workdir)
+    out_file.unlink(missing_ok=True)
+    run_checked(cmd, workdir / f"{name}.log", timeout, cwd=workdir, result=out_file)
     return json.loads(out_file.read_text())
 
 
