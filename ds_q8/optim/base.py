@@ -16,8 +16,9 @@ A concrete optimizer supplies only
 """
 from __future__ import annotations
 
+import copy
 import math
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -31,6 +32,13 @@ OPTIM_BITS_ATTR = "ds_q8_optim_bits"
 _REFERENCE_CHUNK = 1 << 20
 
 _QUANTIZATIONS = ("dynamic", "linear")
+
+# DeepSpeed's universal checkpoints know only Adam's two state names; any optimizer with at most
+# two states travels under them, in order (state1 -> exp_avg, state2 -> exp_avg_sq).
+UNIVERSAL_STATE_NAMES = ("exp_avg", "exp_avg_sq")
+
+#: key of the marker that ``state_dict`` adds so offline tools know which optimizer wrote it
+STATE_DICT_MARKER = "ds_q8"
 
 
 def _is_number(x) -> bool:
@@ -69,6 +77,14 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     state_signed: tuple = ()
     update_rule: str = ""
 
+    def __new__(cls, *args, **kwargs):
+        # Runs before __init__ binds the arguments, so an unknown key (typically from a DeepSpeed
+        # JSON "params" section) gets an error that lists the valid keys.
+        from ..integration.params import check_optimizer_kwargs
+
+        check_optimizer_kwargs(cls, kwargs)
+        return super().__new__(cls)
+
     def __init__(self, params, defaults: dict, nonfinite: str = "skip"):
         common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic")
         common.update(defaults)
@@ -76,6 +92,19 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
         self.skipped_steps = 0
         super().__init__(params, common)
+
+    # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["nonfinite"] = self.nonfinite
+        state["skipped_steps"] = self.skipped_steps
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        self.nonfinite = state.pop("nonfinite", "skip")
+        self.skipped_steps = state.pop("skipped_steps", 0)
+        super().__setstate__(state)
 
     # ------------------------------------------------------------------ checks
     def add_param_group(self, param_group: dict) -> None:
@@ -212,6 +241,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         for group, p in work:
             grad = p.grad
             state = self.state[p]
+            if self._adopt_fp32_state(p, state):
+                state = self.state[p]
             if "state1" not in state:
                 self._init_state(p, group, state)
             state["step"] = int(state["step"]) + 1
@@ -262,12 +293,97 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 pf[start:end].copy_(p32)
 
     # ------------------------------------------------------------------ checkpoints
+    @classmethod
+    def universal_names(cls) -> tuple:
+        """The names this optimizer's states carry in DeepSpeed universal checkpoints."""
+        k = len(cls.state_signed)
+        if k > len(UNIVERSAL_STATE_NAMES):
+            raise ValueError(
+                f"{cls.__name__} keeps {k} states; DeepSpeed universal checkpoints carry at most "
+                f"{len(UNIVERSAL_STATE_NAMES)} ({', '.join(UNIVERSAL_STATE_NAMES)})"
+            )
+        return UNIVERSAL_STATE_NAMES[:k]
+
+    @classmethod
+    def _fp32_names_in(cls, st: dict) -> Optional[tuple]:
+        """Which fp32 naming (torch's, then universal) ``st`` uses for all states, if any."""
+        candidates = [cls.state_names]
+        if len(cls.state_signed) <= len(UNIVERSAL_STATE_NAMES):
+            candidates.append(cls.universal_names())
+        for names in candidates:
+            if all(torch.is_tensor(st.get(n)) for n in names):
+                return tuple(names)
+        return None
+
+    def _adopt_fp32_state(self, p: torch.Tensor, state: dict) -> bool:
+        """Requantize state that arrived as fp32 under torch's or universal names.
+
+        DeepSpeed's universal-checkpoint loader writes fp32 ``exp_avg``/``exp_avg_sq`` and ``step``
+        straight into ``optimizer.state``; this turns them into codes and block maxima before the
+        next update. Returns True when the state was replaced.
+        """
+        names = self._fp32_names_in(state)
+        if names is None:
+            return False
+        step = state.get("step", 0)
+        step = int(step.item()) if torch.is_tensor(step) else int(step or 0)
+        values = {tn: state[n] for tn, n in zip(self.state_names, names)}
+        self.load_dequantized_state(p, values, step)
+        return True
+
+    def adopt_loaded_state(self) -> int:
+        """Requantize fp32 state that a loader wrote straight into ``self.state``.
+
+        :meth:`step` does this by itself; call it to inspect the state right after DeepSpeed's
+        universal-checkpoint loader ran. Returns the number of parameters converted.
+        """
+        return sum(self._adopt_fp32_state(p, st) for p, st in list(self.state.items()))
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd[STATE_DICT_MARKER] = {"optimizer": type(self).__name__}
+        return sd
+
+    @classmethod
+    def export_fp32_state_dict(cls, state_dict: dict, universal: bool = False) -> dict:
+        """A copy of a saved ``state_dict`` with every state as fp32 under torch's names.
+
+        With ``universal=True`` the states are named as DeepSpeed universal checkpoints expect
+        (see :meth:`universal_names`). Works on a state dict alone (no parameters needed), so
+        checkpoints can be converted offline. The values are the dequantized codes, exactly.
+        """
+        names = cls.universal_names() if universal else cls.state_names
+        groups = state_dict["param_groups"]
+        group_of = {pid: g for g in groups for pid in g["params"]}
+        out_state = {}
+        for pid, st in state_dict["state"].items():
+            g = group_of.get(pid)
+            if g is None:
+                raise ValueError(f"state entry {pid} belongs to no parameter group")
+            if not st or cls._fp32_names_in(st) == tuple(names):
+                out_state[pid] = copy.copy(st)
+                continue
+            new = {k: v for k, v in st.items() if not (k.startswith("state") or k.startswith("absmax"))}
+            for i, (signed, name) in enumerate(zip(cls.state_signed, names), start=1):
+                codes = st.get(f"state{i}")
+                if codes is None:
+                    raise ValueError(f"state entry {pid} lacks state{i}: not a {cls.__name__} state_dict")
+                if codes.dtype == torch.uint8:
+                    m = get_map(g["quantization"], signed, codes.device)
+                    values = F.dequantize_flat(codes.reshape(-1), st[f"absmax{i}"], m, g["block_size"])
+                    new[name] = values.view(codes.shape)
+                else:
+                    new[name] = codes.detach().to(torch.float32).clone()
+            out_state[pid] = new
+        return {"state": out_state, "param_groups": copy.deepcopy(groups)}
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep every state tensor in the dtype it was saved with.
 
         torch's loader casts floating state to the parameter's dtype, which would turn uint8
         codes into floats and fp32 absmax into bf16. The saved dtypes are restored and the
-        state is checked against the parameters before anything is replaced.
+        state is checked against the parameters before anything is replaced. State saved as fp32
+        under torch's names (e.g. by :meth:`export_fp32_state_dict`) is requantized.
         """
         saved_groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")
@@ -288,7 +404,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         for pid, p, sg in pairs:
             if pid in saved_state:
                 self._check_saved_state(saved_state[pid], p, sg)
-        super().load_state_dict(state_dict)
+        self._check_saved_layout(saved_groups, saved_state)
+        torch_sd = {k: v for k, v in state_dict.items() if k != STATE_DICT_MARKER}
+        super().load_state_dict(torch_sd)
         for pid, p, _ in pairs:
             if pid not in saved_state:
                 continue
@@ -301,13 +419,39 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 else:
                     restored[key] = value
             self.state[p] = restored
+            self._adopt_fp32_state(p, restored)
+
+    def _check_saved_layout(self, saved_groups: list, saved_state: dict) -> None:
+        """Codes only mean something under the block size and map they were written with."""
+        for gi, (sg, g) in enumerate(zip(saved_groups, self.param_groups)):
+            has_codes = any(self.is_8bit_state(saved_state.get(pid, {})) for pid in sg["params"])
+            if not has_codes:
+                continue
+            for key in ("block_size", "quantization"):
+                if sg.get(key) != g[key]:
+                    raise ValueError(
+                        f"group {gi}: the checkpoint's 8-bit state was written with {key}={sg.get(key)!r}, "
+                        f"this optimizer uses {key}={g[key]!r}; use the same {key}, or load the state via "
+                        f"{type(self).__name__}.export_fp32_state_dict(...) to requantize it"
+                    )
 
     def _check_saved_state(self, st: dict, p: torch.Tensor, group: dict) -> None:
         name = self.__class__.__name__
         k = len(self.state_signed)
-        expected = [f"state{i}" for i in range(1, k + 1)]
         if not st:
             return
+        fp32_names = self._fp32_names_in(st)
+        if fp32_names is not None:
+            for n in fp32_names:
+                if st[n].numel() != p.numel():
+                    raise ValueError(
+                        f"checkpoint {n} has {st[n].numel()} elements but the parameter of shape {tuple(p.shape)} "
+                        f"has {p.numel()}: the checkpoint belongs to another model or partitioning"
+                    )
+                if not bool(torch.isfinite(st[n].float()).all()):
+                    raise ValueError(f"checkpoint {n} contains NaN or Inf")
+            return
+        expected = [f"state{i}" for i in range(1, k + 1)]
         missing = [key for key in expected + ["step"] if key not in st]
         if missing:
             raise ValueError(f"checkpoint state for a parameter of shape {tuple(p.shape)} lacks {missing}: "

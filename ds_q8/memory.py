@@ -1,0 +1,211 @@
+"""Optimizer-state bytes per rank: predicted for a model / ZeRO stage / world size, or measured.
+
+``python -m ds_q8.memory --model gpt2-xl --stage 2 --world-size 1 8`` prints a table comparing
+32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state.
+
+The prediction follows how ZeRO lays out what the optimizer sees:
+  * stage 0: every parameter is its own tensor on every rank;
+  * stages 1 and 2: one flat tensor per parameter group, padded to a multiple of
+    2 * world_size, of which each rank holds an equal share;
+  * stage 3: each parameter is cut into world_size equal parts (rounded up); a rank
+    concatenates its parts into sub-groups of about ``sub_group_size`` elements.
+Tensors below ``min_8bit_size`` elements keep fp32 state, as the optimizer does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Dict, Iterable, List, Sequence
+
+import torch
+
+from . import functional as F
+
+def _num_states(optimizer: str) -> int:
+    from .registry import OPTIMIZERS
+
+    if optimizer in OPTIMIZERS:
+        return len(OPTIMIZERS[optimizer].state_signed)
+    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
+
+
+def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, min_8bit_size: int) -> int:
+    """Bytes of one tensor's optimizer state (without the step counter)."""
+    if numel == 0:
+        return 0
+    if bits == 8 and numel >= min_8bit_size:
+        return num_states * (numel + 4 * F.num_blocks(numel, block_size))
+    return num_states * 4 * numel
+
+
+def state_tensor_sizes(groups: Sequence[Sequence[int]], stage: int, world_size: int,
+                       sub_group_size: int = 1_000_000_000) -> List[List[int]]:
+    """Sizes of the tensors one rank's optimizer holds state for, per parameter group.
+
+    ``groups`` lists each parameter group's parameter sizes. Ranks can differ only by padding,
+    so the sizes returned are those of the rank with the most elements.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+    out = []
+    for sizes in groups:
+        sizes = [int(n) for n in sizes if int(n) > 0]
+        if stage == 0:
+            out.append(sizes)
+        elif stage in (1, 2):
+            total = sum(sizes)
+            align = 2 * world_size
+            padded = math.ceil(total / align) * align
+            out.append([padded // world_size] if total else [])
+        else:
+            subs, current = [], 0
+            for i, n in enumerate(sizes):
+                current += math.ceil(n / world_size)
+                if current >= sub_group_size or i == len(sizes) - 1:
+                    subs.append(current)
+                    current = 0
+            out.append(subs)
+    return out
+
+
+def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size: int, optimizer: str = "Adam8bitBlock",
+                         bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096,
+                         group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000) -> int:
+    """Predicted optimizer-state bytes on one rank.
+
+    ``group_bits`` overrides ``bits`` per group (e.g. 32 for an embeddings group).
+    """
+    F.check_block_size(block_size)
+    k = _num_states(optimizer)
+    per_group = state_tensor_sizes(groups, stage, world_size, sub_group_size)
+    total = 0
+    for gi, sizes in enumerate(per_group):
+        b = group_bits[gi] if group_bits is not None else bits
+        if b not in (8, 32):
+            raise ValueError(f"bits must be 8 or 32, got {b!r}")
+        total += sum(tensor_state_bytes(n, k, b, block_size, min_8bit_size) for n in sizes)
+    return total
+
+
+def _base_optimizer(obj):
+    """Follow ``.optimizer`` from an engine or ZeRO wrapper down to the torch optimizer."""
+    seen = set()
+    while id(obj) not in seen:
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer) and obj.state:
+            return obj
+        inner = getattr(obj, "optimizer", None)
+        if inner is None:
+            break
+        obj = inner
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj
+    raise TypeError(f"cannot find a torch optimizer inside {type(obj).__name__}")
+
+
+def measured_state_bytes(obj) -> Dict[str, int]:
+    """Bytes of optimizer-state tensors this rank holds, from a DeepSpeed engine or an optimizer.
+
+    Returns ``{"total": ..., "codes": ..., "absmax": ..., "fp32": ...}``; the step counter is not
+    counted.
+    """
+    opt = _base_optimizer(obj)
+    out = {"total": 0, "codes": 0, "absmax": 0, "fp32": 0}
+    for st in opt.state.values():
+        for key, v in st.items():
+            if not torch.is_tensor(v) or key == "step":
+                continue
+            nbytes = v.numel() * v.element_size()
+            out["total"] += nbytes
+            if v.dtype == torch.uint8:
+                out["codes"] += nbytes
+            elif key.startswith("absmax"):
+                out["absmax"] += nbytes
+            else:
+                out["fp32"] += nbytes
+    return out
+
+
+def gpt2_param_groups(n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024) -> List[List[int]]:
+    """Parameter sizes of a GPT-2 as two groups: [embeddings], [everything else]."""
+    d = n_embd
+    block = [2 * d, d * 3 * d, 3 * d, d * d, d, 2 * d, d * 4 * d, 4 * d, 4 * d * d, d]
+    return [[vocab_size * d, n_positions * d], block * n_layer + [2 * d]]
+
+
+GPT2_SIZES = {
+    "gpt2": (12, 768),
+    "gpt2-medium": (24, 1024),
+    "gpt2-large": (36, 1280),
+    "gpt2-xl": (48, 1600),
+}
+
+
+def _fmt(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024.0
+    return str(nbytes)
+
+
+def report(groups, stages: Iterable[int], world_sizes: Iterable[int], optimizer: str, block_size: int,
+           min_8bit_size: int, embeddings_32bit: bool) -> List[dict]:
+    rows = []
+    k_groups = len(groups)
+    group_bits = None
+    if embeddings_32bit and k_groups == 2:
+        group_bits = [32, 8]
+    for stage in stages:
+        for ws in world_sizes:
+            b32 = estimate_state_bytes(groups, stage, ws, optimizer, bits=32)
+            b8 = estimate_state_bytes(groups, stage, ws, optimizer, bits=8, block_size=block_size,
+                                      min_8bit_size=min_8bit_size, group_bits=group_bits)
+            rows.append(dict(stage=stage, world_size=ws, bytes_32bit=b32, bytes_8bit=b8,
+                             ratio=b8 / b32 if b32 else float("nan")))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ds_q8.memory",
+                                 description="Optimizer-state bytes per rank, 32-bit vs ds_q8 8-bit.")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", choices=sorted(GPT2_SIZES), default="gpt2-xl", help="a GPT-2 size (shapes only)")
+    src.add_argument("--params", type=float, help="a single parameter group of this many elements")
+    ap.add_argument("--stage", type=int, nargs="+", default=[2], choices=[0, 1, 2, 3])
+    ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--optimizer", default="Adam8bitBlock")
+    ap.add_argument("--block-size", type=int, default=F.DEFAULT_BLOCK_SIZE)
+    ap.add_argument("--min-8bit-size", type=int, default=4096)
+    ap.add_argument("--embeddings-32bit", action="store_true",
+                    help="keep the embedding group in 32-bit (as ds_q8.param_groups does)")
+    ap.add_argument("--json", help="also write the rows to this JSON file")
+    args = ap.parse_args(argv)
+    if args.params is not None:
+        if args.params < 1:
+            ap.error(f"--params must be >= 1, got {args.params}")
+        groups, label = [[int(args.params)]], f"{int(args.params):,} parameters"
+    else:
+        groups = gpt2_param_groups(*GPT2_SIZES[args.model])
+        label = f"{args.model} ({sum(map(sum, groups)):,} parameters)"
+    try:
+        rows = report(groups, args.stage, args.world_size, args.optimizer, args.block_size,
+                      args.min_8bit_size, args.embeddings_32bit)
+    except ValueError as e:
+        ap.error(str(e))
+    print(f"optimizer state per rank, {label}, {args.optimizer}, block_size={args.block_size}")
+    print(f"{'stage':>5} {'ranks':>5} {'32-bit':>12} {'8-bit':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['stage']:>5} {r['world_size']:>5} {_fmt(r['bytes_32bit']):>12} {_fmt(r['bytes_8bit']):>12} "
+              f"{r['ratio']:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": label, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

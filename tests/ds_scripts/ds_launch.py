@@ -1,0 +1,68 @@
+"""Start tests/ds_scripts/train.py under the deepspeed launcher and return its results."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parent
+REPO = SCRIPTS.parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in e.get("PYTHONPATH", "").split(os.pathsep) if p])
+    e["OMP_NUM_THREADS"] = "1"
+    return e
+
+
+def run_checked(cmd, log: Path, timeout: int, cwd=None, result: Path = None, attempts: int = 2):
+    """Run ``cmd``; on failure try once more (a port taken by another job between choosing and
+    binding it fails the start). When ``result`` exists, rank 0 wrote it after every rank finished
+    all jobs, so a non-zero exit can only come from process teardown and the result stands."""
+    for attempt in range(attempts):
+        if "--master_port" in cmd:
+            cmd[cmd.index("--master_port") + 1] = str(free_port())
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=cwd, timeout=timeout)
+        if proc.returncode == 0 or (result is not None and result.exists()):
+            return
+    tail = log.read_text()[-4000:]
+    raise AssertionError(f"{' '.join(map(str, cmd))} exited with {proc.returncode}; log tail:\n{tail}")
+
+
+def launch(plan, workdir: Path, name: str, ranks: int = 2, timeout: int = 300) -> dict:
+    """Run ``plan`` (a list of jobs, see train.py) on ``ranks`` ranks; returns {job name: record}."""
+    plan_file, out_file = workdir / f"{name}.plan.json", workdir / f"{name}.out.json"
+    plan_file.write_text(json.dumps(plan))
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+           str(free_port()), str(SCRIPTS / "train.py"), "--plan", str(plan_file), "--out", str(out_file)]
+    out_file.unlink(missing_ok=True)
+    run_checked(cmd, workdir / f"{name}.log", timeout, cwd=workdir, result=out_file)
+    return json.loads(out_file.read_text())
+
+
+def config(stage: int, optimizer: str = "Adam8bitBlock", lr: float = 0.01, **extra) -> dict:
+    """A DeepSpeed config for the tiny model: 2 micro-batches per step, clipping at 1.0."""
+    params = {"lr": lr}
+    if optimizer.endswith("8bitBlock"):
+        params.update(block_size=256, min_8bit_size=1024)
+    if optimizer == "Adam":
+        params["torch_adam"] = True  # torch's fp32 Adam: no op to JIT-build
+    c = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+         "optimizer": {"type": optimizer, "params": params}, "zero_optimization": {"stage": stage}}
+    for k, v in extra.items():
+        if k == "zero":
+            c["zero_optimization"].update(v)
+        elif k == "opt_params":
+            c["optimizer"]["params"].update(v)
+        else:
+            c[k] = v
+    return c

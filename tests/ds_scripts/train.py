@@ -1,0 +1,147 @@
+"""Run a list of small DeepSpeed training jobs in one launcher process (tests/test_deepspeed_*.py).
+
+Usage: deepspeed --num_gpus N train.py --plan plan.json --out result.json
+
+Each job builds a fresh tiny model and engine from its DeepSpeed config, optionally loads a
+checkpoint, trains a few steps, optionally saves, and records per-step losses (mean over ranks),
+per-rank optimizer-state bytes and the dtypes of the state. A job may instead expect
+``deepspeed.initialize`` (or the load) to fail with a message; the message is recorded.
+Rank 0 writes {job name: record} to --out. Starting DeepSpeed once for many jobs keeps the tests fast.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import deepspeed
+import ds_q8
+from ds_q8.memory import measured_state_bytes
+
+VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
+
+
+class TinyLM(nn.Module):
+    def __init__(self, hidden=HIDDEN):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.fc1 = nn.Linear(DIM, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, VOCAB)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.fc1(self.emb(x)))
+        h = self.norm(torch.nn.functional.gelu(self.fc2(h)))
+        return self.head(h)
+
+
+def batch(step, micro, rank):
+    g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    x = torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g)
+    return x, (x * 7 + 3) % VOCAB  # a learnable mapping
+
+
+def state_summary(engine):
+    opt = engine.optimizer
+    while not isinstance(opt, torch.optim.Optimizer) and getattr(opt, "optimizer", None) is not None:
+        opt = opt.optimizer
+    kinds = {}
+    for st in opt.state.values():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                kinds.setdefault(k, sorted({*kinds.get(k, []), str(v.dtype).replace("torch.", "")}))
+    steps = sorted({int(st["step"]) for st in opt.state.values() if "step" in st})
+    entries = sorted([int(st["state1"].numel()), str(st["state1"].dtype).replace("torch.", "")]
+                     for st in opt.state.values() if "state1" in st)
+    return type(opt).__name__, kinds, steps, entries
+
+
+def dump_state(engine, prefix, rank):
+    """Save this rank's optimizer state as fp32 (per group, in group order) right after loading."""
+    opt = engine.optimizer.optimizer
+    opt.adopt_loaded_state()
+    groups = []
+    for g in opt.param_groups:
+        p = g["params"][0]
+        st = opt.state.get(p, {})
+        groups.append({"values": opt.dequantized_state(p), "step": st.get("step"),
+                       "dtypes": {k: str(v.dtype) for k, v in st.items() if torch.is_tensor(v)}})
+    torch.save(groups, f"{prefix}.rank{rank}.pt")
+
+
+def run_job(job, rank, world):
+    torch.manual_seed(job.get("seed", 0))
+    model = TinyLM(job.get("hidden", HIDDEN))
+    params = ds_q8.param_groups(model, weight_decay=0.01) if job.get("param_groups") else model.parameters()
+    rec = {}
+    phase = "initialize"
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=job["config"])
+        if job.get("load"):
+            phase = "load"
+            path, tag = job["load"]
+            engine.load_checkpoint(path, tag=tag)
+    except Exception as e:  # a job that expects an error records it; others fail loudly
+        if not job.get("expect_error"):
+            raise
+        rec["error"] = f"{phase}: {type(e).__name__}: {e}"
+        return rec
+    if job.get("expect_error"):
+        raise AssertionError(f"job {job['name']} was expected to fail but did not")
+    if job.get("dump_state"):
+        dump_state(engine, job["dump_state"], rank)
+    gas = job["config"].get("gradient_accumulation_steps", 1)
+    start = job.get("start_step", 0)
+    losses, lrs = [], []
+    for step in range(start, start + job["steps"]):
+        total = 0.0
+        for micro in range(gas):
+            x, y = batch(step, micro, rank)
+            logits = engine(x)
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+            engine.backward(loss)
+            engine.step()
+            total += float(loss.detach())
+        t = torch.tensor([total / gas], dtype=torch.float64)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+        lrs.append(engine.get_lr()[0])
+        if job.get("save") and job["save"][2] == step + 1:
+            engine.save_checkpoint(job["save"][0], tag=job["save"][1])
+    name, kinds, steps, entries = state_summary(engine)
+    by_rank = [None] * world
+    dist.all_gather_object(by_rank, measured_state_bytes(engine))
+    rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
+               state_entries=entries)
+    if hasattr(engine, "destroy"):
+        engine.destroy()
+    return rec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", type=int, default=0)
+    args = ap.parse_args()
+    with open(args.plan) as f:
+        plan = json.load(f)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for job in plan:
+        results[job["name"]] = run_job(job, rank, world)
+        dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""ds_q8.memory: predicted per-rank optimizer-state bytes and the CLI."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ds_q8
+from ds_q8.memory import estimate_state_bytes, gpt2_param_groups, main, measured_state_bytes, state_tensor_sizes
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_stage0_counts_every_tensor_and_keeps_small_ones_fp32():
+    model = nn.Sequential(nn.Linear(100, 60), nn.Linear(60, 10))
+    opt = ds_q8.Adam8bitBlock(model.parameters(), block_size=256, min_8bit_size=1000)
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    sizes = [[p.numel() for p in model.parameters()]]
+    predicted = estimate_state_bytes(sizes, 0, 1, block_size=256, min_8bit_size=1000)
+    measured = measured_state_bytes(opt)
+    assert measured["total"] == predicted
+    assert measured["codes"] == 2 * 6000  # only the 100x60 weight reaches min_8bit_size
+    assert measured["absmax"] == 2 * 4 * 24
+    assert measured["fp32"] == 2 * 4 * (60 + 600 + 10)
+
+
+def test_zero_partitions_shrink_with_world_size():
+    groups = [[10_000, 333]]
+    assert state_tensor_sizes(groups, 2, 2) == [[5168]]  # 10333 padded to a multiple of 4, halved
+    assert state_tensor_sizes(groups, 3, 2) == [[5000 + 167]]
+    one = estimate_state_bytes(groups, 2, 1, block_size=256)
+    two = estimate_state_bytes(groups, 2, 2, block_size=256)
+    assert abs(two - one / 2) <= 2 * (256 + 4)
+    assert estimate_state_bytes(groups, 2, 1, bits=32) == 2 * 4 * 10_334
+
+
+def test_gpt2_xl_sizes_and_ratio():
+    groups = gpt2_param_groups(48, 1600)
+    assert sum(map(sum, groups)) == 1_557_611_200
+    b32 = estimate_state_bytes(groups, 2, 1, bits=32)
+    b8 = estimate_state_bytes(groups, 2, 1)
+    assert b32 == 8 * 1_557_611_200
+    assert 0.25 < b8 / b32 < 0.2505
+
+
+@pytest.mark.parametrize("bad,match", [(dict(stage=4), "stage"), (dict(world_size=0), "world_size"),
+                                       (dict(block_size=1000), "block_size"), (dict(optimizer="SGD"), "optimizer")])
+def test_bad_arguments_are_named(bad, match):
+    kw = dict(stage=2, world_size=2)
+    kw.update(bad)
+    with pytest.raises(ValueError, match=match):
+        estimate_state_bytes([[5000]], **kw)
+
+
+def test_cli_prints_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "m.json"
+    assert main(["--model", "gpt2", "--stage", "2", "--world-size", "1", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "gpt2 (" in text and "32-bit" in text
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["world_size"] for r in rows] == [1, 2]
+    assert rows[1]["bytes_8bit"] < rows[0]["bytes_8bit"]
+
+
+def test_cli_runs_as_module_and_rejects_bad_input():
+    env = {"PYTHONPATH": str(REPO)}
+    ok = subprocess.run([sys.executable, "-m", "ds_q8.memory", "--params", "1e6", "--stage", "3"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0 and "1,000,000 parameters" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "ds_q8.memory", "--params", "1e6", "--block-size", "100"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "block_size" in bad.stderr
