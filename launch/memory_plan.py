@@ -51,7 +51,7 @@ def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size:
 
 def format_plan(n_params: int, n_params_32bit: int, rows: List[Dict]) -> str:
     lines = [
-        f"model states per rank, ZeRO-2 + bf16, {n_params / 1e9:.4f}e9 params "
+        f"model states per rank, ZeRO-2 + bf16, {n_params:,} = {n_params / 1e9:.4f}e9 params "
         f"({n_params_32bit / 1e6:.1f}M kept 32-bit as embeddings)",
         "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) |",
         "|---:|---:|---:|---:|",

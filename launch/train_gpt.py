@@ -162,6 +162,9 @@ def evaluate(engine, val, args, mbs, rank, world, device) -> float:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_ds_config(args)
+    if not (args.resume or args.overwrite) and checkpointing.has_checkpoints(args.save_dir):
+        raise SystemExit(f"--save_dir {args.save_dir} holds checkpoints of an earlier run: pass --resume to "
+                         "continue it or --overwrite to discard it")
 
     import deepspeed
     import ds_q8  # registers Adam8bitBlock & co. as DeepSpeed optimizer types
@@ -202,12 +205,8 @@ def main(argv=None) -> dict:
             start_step = client["step"]
         elif rank == 0:
             print(f"--resume: no complete checkpoint in {args.save_dir}, starting from step 0")
-    elif checkpointing.has_checkpoints(args.save_dir):
-        if not args.overwrite:
-            raise SystemExit(f"{args.save_dir} holds checkpoints of an earlier run: pass --resume to continue "
-                             "it or --overwrite to discard it")
-        if rank == 0:
-            checkpointing.clear_run(args.save_dir)
+    elif args.overwrite and rank == 0:
+        checkpointing.clear_run(args.save_dir)
     if rank == 0:
         os.makedirs(args.save_dir, exist_ok=True)
     log = MetricsLog(args.save_dir, start_step, args.tensorboard) if rank == 0 else None
