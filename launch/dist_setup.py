@@ -29,7 +29,9 @@ def init(master_port: int = None) -> None:
     if "RANK" not in os.environ and not launched_by_mpi():
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(master_port or _free_port()))
-    deepspeed.init_distributed(distributed_port=master_port or 29500)
+    # MPI discovery overwrites MASTER_PORT with this port; keep one a launcher exported
+    port = master_port or int(os.environ.get("MASTER_PORT", 29500))
+    deepspeed.init_distributed(distributed_port=port)
 
 
 def shutdown() -> None:

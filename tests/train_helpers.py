@@ -15,16 +15,18 @@ if str(LAUNCH) not in sys.path:
     sys.path.insert(0, str(LAUNCH))
 
 
-def env(threads: int = 2) -> dict:
+def env(threads: int = 2, extra: dict = None) -> dict:
     e = dict(os.environ)
+    e.update(extra or {})
     e["PYTHONPATH"] = os.pathsep.join([str(REPO), str(LAUNCH)] + [p for p in [e.get("PYTHONPATH")] if p])
     e["OMP_NUM_THREADS"] = str(threads)
     return e
 
 
-def run(cmd, timeout: int = 300, threads: int = 2, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env(threads), capture_output=True, text=True,
-                          timeout=timeout)
+def run(cmd, timeout: int = 300, threads: int = 2, check: bool = True, extra_env: dict = None
+        ) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=env(threads, extra_env), capture_output=True,
+                          text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-4000:]}")
