@@ -33,7 +33,7 @@ def parse_args(argv=None):
     ap.add_argument("--config8", default=str(REPO / "ds_configs" / "tiny_cpu_8bit.json"))
     ap.add_argument("--config32", default=str(REPO / "ds_configs" / "tiny_cpu_32bit.json"))
     ap.add_argument("--save_dir", default=str(REPO / "out" / "compare"))
-    ap.add_argument("--max_steps", type=int, default=300)
+    ap.add_argument("--max_steps", type=int, default=200)
     ap.add_argument("--launcher", default="",
                     help='command that starts each run, e.g. "deepspeed --num_gpus 8" (default: this python)')
     ap.add_argument("--report_only", action="store_true", help="only rebuild the report from existing runs")
