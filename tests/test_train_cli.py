@@ -166,3 +166,20 @@ def test_memory_plan_printout_counts_gpt2_xl_on_the_meta_device():
     assert "1,557,611,200 = 1.5576e9 params" in out
     for n in ("| 1 |", "| 8 |", "| 64 |"):
         assert n in out
+
+
+def test_a_local_tokenizer_folder_is_used_without_network(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(["def f(x):\n    return x + 1\n"] * 50,
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(tmp_path / "tok")
+    tok = gpt_data.make_tokenizer(str(tmp_path / "tok"))
+    assert 256 < tok.vocab_size <= 300
+    ids = tok.encode("def f(x):\n    return x + 1\n")
+    assert ids.dtype == torch.long and 0 < ids.numel() < 20  # merges learned: fewer tokens than bytes
+    assert tok.decode(ids.tolist()) == "def f(x):\n    return x + 1\n"

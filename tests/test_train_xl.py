@@ -22,3 +22,15 @@ def test_gpt2_xl_reduced_depth_zero2_bf16_steps(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows) and math.isfinite(s["final_eval_loss"])
     assert (tmp_path / "step2" / "complete.json").is_file()
+
+
+def test_offload_config_keeps_8bit_state_on_the_cpu(tmp_path):
+    # the ZeRO-Offload variant of the 1.5B config, on the tiny model: the optimizer built from the JSON
+    # type runs on the offloaded fp32 partition and keeps uint8 state
+    train(tmp_path, "--deepspeed_config", CONFIGS / "gpt2_xl_8bit_zero2_offload.json", "--context", "64",
+          "--micro_batch", "4", "--grad_accum", "1", "--max_steps", "2", "--eval_batches", "1",
+          "--save_interval", "0", timeout=300)
+    s = summary(tmp_path)
+    assert s["optimizer"] == "Adam8bitBlock"
+    assert s["optimizer_state_bytes"] / s["n_params"] < 3.0
+    assert math.isfinite(s["final_eval_loss"])
