@@ -1,0 +1,43 @@
+"""Start torch.distributed for any of the ways the trainer can be launched.
+
+* ``deepspeed`` launcher / torchrun: RANK, WORLD_SIZE, MASTER_* are already set.
+* ``mpirun`` / ``mpiexec``: DeepSpeed reads rank and size from MPI through mpi4py.
+* plain ``python``: one rank; the variables are filled in here so that DeepSpeed does not go
+  looking for an MPI job that does not exist.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+_MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_by_mpi() -> bool:
+    return "RANK" not in os.environ and any(v in os.environ for v in _MPI_RANK_VARS)
+
+
+def init(master_port: int = None) -> None:
+    import deepspeed
+
+    if "RANK" not in os.environ and not launched_by_mpi():
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(master_port or _free_port()))
+    # MPI discovery overwrites MASTER_PORT with this port; keep one a launcher exported
+    port = master_port or int(os.environ.get("MASTER_PORT", 29500))
+    deepspeed.init_distributed(distributed_port=port)
+
+
+def shutdown() -> None:
+    # With gloo, a rank that exits while others still tear down can abort; meet first.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,90 @@
+"""Model-state memory per rank under ZeRO-2 with bf16: 8-bit block-wise Adam vs 32-bit Adam.
+
+Every rank holds the bf16 weights (2 B/param) and bf16 gradients (2 B/param); ZeRO-2 splits the
+rest, K bytes per parameter, over the N data-parallel ranks:
+  32-bit Adam: K = 4 (fp32 master) + 4 + 4 (two fp32 moments)                 = 12
+  8-bit Adam:  K = 4 (fp32 master) + 1 + 1 (two uint8 moments) + 2 * 4 / block = 6.0039 at block 2048
+Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 in both.
+Activations, temporaries and communication buffers come on top and depend on batch and context.
+
+Run ``python launch/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List
+
+GB = 1e9
+BF16_WEIGHT_AND_GRAD = 2 + 2
+
+
+def optimizer_bytes_per_param(optim_bits: int, block_size: int = 2048) -> float:
+    """K: fp32 master copy plus both Adam moments, per parameter."""
+    if optim_bits == 32:
+        return 4 + 4 + 4
+    if optim_bits == 8:
+        return 4 + 1 + 1 + 2 * 4 / block_size
+    raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
+
+
+def model_state_bytes(n_params: int, world_size: int, optim_bits: int, n_params_32bit: int = 0,
+                      block_size: int = 2048) -> float:
+    """Bytes of weights, gradients and optimizer state on one rank under ZeRO-2 with bf16."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= n_params_32bit <= n_params:
+        raise ValueError(f"n_params_32bit must be in [0, n_params={n_params}], got {n_params_32bit}")
+    k_main = optimizer_bytes_per_param(optim_bits, block_size)
+    k_32 = optimizer_bytes_per_param(32)
+    sharded = (n_params - n_params_32bit) * k_main + n_params_32bit * k_32
+    return n_params * BF16_WEIGHT_AND_GRAD + sharded / world_size
+
+
+def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size: int = 2048) -> List[Dict]:
+    rows = []
+    for n in world_sizes:
+        b32 = model_state_bytes(n_params, n, 32)
+        b8 = model_state_bytes(n_params, n, 8, n_params_32bit, block_size)
+        rows.append(dict(world_size=n, adam32_gb=b32 / GB, adam8_gb=b8 / GB, saved_gb=(b32 - b8) / GB))
+    return rows
+
+
+def format_plan(n_params: int, n_params_32bit: int, rows: List[Dict]) -> str:
+    lines = [
+        f"model states per rank, ZeRO-2 + bf16, {n_params:,} = {n_params / 1e9:.4f}e9 params "
+        f"({n_params_32bit / 1e6:.1f}M kept 32-bit as embeddings)",
+        "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['world_size']} | {r['adam32_gb']:.2f} | {r['adam8_gb']:.2f} | {r['saved_gb']:.2f} |")
+    return "\n".join(lines)
+
+
+def embedding_params(config) -> int:
+    """Token + position embedding parameters of a GPT-2 config (the LM head is tied to the tokens)."""
+    return config.vocab_size * config.n_embd + config.n_positions * config.n_embd
+
+
+def main(argv=None) -> None:
+    from gpt_models import GPT2_CONTEXT, GPT2_VOCAB_SIZE, SIZES, count_params_on_meta, gpt2_config
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt2-xl", choices=sorted(SIZES))
+    ap.add_argument("--world_sizes", default="1,8,64", help="comma-separated data-parallel sizes")
+    ap.add_argument("--block_size", type=int, default=2048, help="quantization block size of the 8-bit state")
+    args = ap.parse_args(argv)
+    try:
+        world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"--world_sizes must be comma-separated integers >= 1, got {args.world_sizes!r}")
+    config = gpt2_config(args.model, GPT2_VOCAB_SIZE, GPT2_CONTEXT)
+    n = count_params_on_meta(config)
+    emb = embedding_params(config)
+    print(format_plan(n, emb, plan(n, emb, world_sizes, args.block_size)))
+    print(f"all parameters 8-bit (no 32-bit embedding group), world size 1: "
+          f"{model_state_bytes(n, 1, 8, 0, args.block_size) / GB:.2f} GB")
+
+
+if __name__ == "__main__":
+    main()

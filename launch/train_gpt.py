@@ -1,0 +1,289 @@
+"""Train a GPT-2 language model with DeepSpeed and ds_q8's 8-bit block-wise optimizers.
+
+One rank:        python launch/train_gpt.py
+Several ranks:   deepspeed --num_gpus 8 launch/train_gpt.py --model gpt2-xl --deepspeed_config ds_configs/gpt2_xl_8bit_zero2.json
+MPI:             mpirun -np 2 python launch/train_gpt.py ...
+
+The optimizer, precision, ZeRO stage and batch size come from the DeepSpeed JSON config; the model,
+data, schedule length and checkpointing from the command line. With no arguments it trains the
+tiny model on the Python standard library's source text for a few minutes on a CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+# OpenMP threads that spin while waiting make CPU training on a busy machine several times slower
+# (tiny model, 2 shared cores: 2.5-3.3 s/step spinning vs 0.4-0.5 s/step passive). It must be set
+# before torch loads OpenMP; an explicit setting in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch
+import torch.nn.functional as F
+
+import checkpointing
+import dist_setup
+import gpt_data
+import gpt_models
+from metrics_log import MetricsLog
+
+DEFAULT_CONFIG = REPO / "ds_configs" / "tiny_cpu_8bit.json"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
+    return value
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Train GPT-2 with DeepSpeed and 8-bit block-wise optimizers.")
+    ap.add_argument("--deepspeed_config", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config")
+    ap.add_argument("--model", default="tiny", choices=sorted(gpt_models.SIZES))
+    ap.add_argument("--n_layer", type=positive_int, default=None, help="override the size's depth")
+    ap.add_argument("--context", type=positive_int, default=None,
+                    help="tokens per sequence (default 128 for tiny, 1024 for the GPT-2 sizes)")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--stable_embedding", action="store_true", help="ds_q8.StableEmbedding for the tokens")
+    ap.add_argument("--data", default=None, help="text file or folder (default: Python's standard library)")
+    ap.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: bytes, vocab 256)")
+    ap.add_argument("--micro_batch", type=positive_int, default=None,
+                    help="sequences per rank per micro-step (overrides train_micro_batch_size_per_gpu)")
+    ap.add_argument("--grad_accum", type=positive_int, default=None,
+                    help="micro-steps per optimizer step (overrides gradient_accumulation_steps)")
+    ap.add_argument("--max_steps", type=positive_int, default=200)
+    ap.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides the config)")
+    ap.add_argument("--eval_interval", type=non_negative_int, default=50, help="0: evaluate at the end only")
+    ap.add_argument("--eval_batches", type=positive_int, default=8)
+    ap.add_argument("--save_dir", default=str(REPO / "out" / "tiny-8bit"))
+    ap.add_argument("--save_interval", type=non_negative_int, default=100, help="0: save at the end only")
+    ap.add_argument("--stop_at", type=positive_int, default=None,
+                    help="stop after this step as if interrupted; the schedule still spans --max_steps")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    ap.add_argument("--overwrite", action="store_true", help="discard an earlier run's checkpoints in save_dir")
+    ap.add_argument("--seed", type=non_negative_int, default=1234)
+    ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
+    ap.add_argument("--no_progress", action="store_true", help="no progress bar")
+    ap.add_argument("--master_port", type=positive_int, default=None, help="rendezvous port (one rank / MPI)")
+    ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    args = ap.parse_args(argv)
+    if not 0.0 <= args.dropout < 1.0:
+        ap.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.lr is not None and not (args.lr > 0 and math.isfinite(args.lr)):
+        ap.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if args.resume and args.overwrite:
+        ap.error("--resume and --overwrite exclude each other")
+    if args.stop_at is not None and args.stop_at > args.max_steps:
+        ap.error(f"--stop_at must be in [1, --max_steps={args.max_steps}], got {args.stop_at}")
+    if args.context is None:
+        args.context = 128 if args.model == "tiny" else gpt_models.GPT2_CONTEXT
+    return args
+
+
+def load_ds_config(args) -> dict:
+    """Read the JSON config and fill the values that depend on the command line."""
+    try:
+        cfg = json.loads(Path(args.deepspeed_config).read_text())
+    except FileNotFoundError:
+        raise SystemExit(f"--deepspeed_config: no such file {args.deepspeed_config!r}")
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--deepspeed_config {args.deepspeed_config!r} is not valid JSON: {e}")
+    if args.micro_batch is not None:
+        cfg["train_micro_batch_size_per_gpu"] = args.micro_batch
+        cfg.pop("train_batch_size", None)  # DeepSpeed derives it; a stale value would contradict
+    if args.grad_accum is not None:
+        cfg["gradient_accumulation_steps"] = args.grad_accum
+        cfg.pop("train_batch_size", None)
+    opt = cfg.setdefault("optimizer", {}).setdefault("params", {})
+    sched = cfg.get("scheduler", {}).get("params", {})
+    if args.lr is not None:
+        opt["lr"] = args.lr
+        if "warmup_max_lr" in sched:
+            sched["warmup_max_lr"] = args.lr
+    if sched.get("total_num_steps") == "auto":
+        sched["total_num_steps"] = args.max_steps
+    return cfg
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    # torch's RNG (dropout) is re-seeded every step from (seed, rank, step), so a resumed run
+    # needs no saved RNG state to draw what the uninterrupted run drew.
+    return (seed * 1_000_003 + rank * 7_919 + step * 104_729) % (2 ** 63)
+
+
+def innermost_optimizer(engine):
+    """The torch optimizer holding the state, below DeepSpeed's ZeRO / precision wrappers."""
+    opt = engine.optimizer
+    while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
+        opt = opt.optimizer
+    return opt
+
+
+def optimizer_state_bytes(opt) -> int:
+    return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+
+
+def all_reduce_sum(values, device):
+    import deepspeed.comm as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+@torch.no_grad()
+def evaluate(engine, val, args, mbs, rank, world, device) -> float:
+    # Batch i goes to rank i % world: the evaluated text is the same at any world size.
+    engine.eval()
+    total, count = 0.0, 0
+    for i in range(rank, args.eval_batches, world):
+        x, y = gpt_data.get_batch(val, mbs, args.context, args.seed, rank=0, step=i, stream=1)
+        logits = engine(input_ids=x.to(device)).logits
+        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1)).item()
+        count += 1
+    engine.train()
+    total, count = all_reduce_sum([total, count], device)
+    return total / count
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_ds_config(args)
+    if not (args.resume or args.overwrite) and checkpointing.has_checkpoints(args.save_dir):
+        raise SystemExit(f"--save_dir {args.save_dir} holds checkpoints of an earlier run: pass --resume to "
+                         "continue it or --overwrite to discard it")
+
+    import deepspeed
+    import ds_q8  # registers Adam8bitBlock & co. as DeepSpeed optimizer types
+    from tqdm import tqdm
+
+    dist_setup.init(args.master_port)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    # ---- data
+    tokenizer = gpt_data.make_tokenizer(args.tokenizer)
+    train, val = gpt_data.load_splits(args.data, tokenizer)
+    gpt_data.check_length("train", train, args.context)
+    gpt_data.check_length("validation", val, args.context)
+
+    # ---- model and engine
+    torch.manual_seed(args.seed)  # same initial weights on every rank and every run
+    config = gpt_models.gpt2_config(args.model, tokenizer.vocab_size, args.context, args.n_layer, args.dropout)
+    model = gpt_models.build_model(config, args.stable_embedding)
+    n_params = sum(p.numel() for p in model.parameters())
+    weight_decay = float(cfg["optimizer"]["params"].get("weight_decay", 0.0))
+    groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    device = engine.device
+    mbs = engine.train_micro_batch_size_per_gpu()
+    gas = engine.gradient_accumulation_steps()
+    tokens_per_step = mbs * gas * world * args.context
+
+    # ---- resume or start fresh
+    start_step = 0
+    if args.resume:
+        found = checkpointing.latest_complete(args.save_dir)
+        if found is not None:
+            tag, _ = found
+            _, client = engine.load_checkpoint(args.save_dir, tag=tag)
+            if client.get("seed") != args.seed:
+                raise SystemExit(f"--seed {args.seed} differs from the checkpoint's seed {client.get('seed')}; "
+                                 "a resumed run must use the seed it started with")
+            start_step = client["step"]
+        elif rank == 0:
+            print(f"--resume: no complete checkpoint in {args.save_dir}, starting from step 0")
+    elif args.overwrite and rank == 0:
+        checkpointing.clear_run(args.save_dir)
+    if rank == 0:
+        os.makedirs(args.save_dir, exist_ok=True)
+    log = MetricsLog(args.save_dir, start_step, args.tensorboard) if rank == 0 else None
+    if rank == 0:
+        print(f"{args.model}: {n_params / 1e6:.2f}M params, {world} rank(s), {tokens_per_step} tokens/step, "
+              f"optimizer {type(innermost_optimizer(engine)).__name__}, train {train.numel()} / "
+              f"val {val.numel()} tokens")
+
+    # ---- train
+    step_times = []
+    eval_loss = None
+    end_step = args.stop_at or args.max_steps
+    bar = tqdm(range(start_step, end_step), initial=start_step, total=args.max_steps,
+               disable=rank != 0 or args.no_progress, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        torch.manual_seed(step_seed(args.seed, rank, step))
+        lr = engine.get_lr()[0]  # the rate this step uses
+        loss_sum = 0.0
+        for micro in range(gas):
+            x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
+            logits = engine(input_ids=x.to(device)).logits
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1))
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.item()
+        (loss_sum,) = all_reduce_sum([loss_sum / gas], device)
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        done = step + 1
+        record = dict(step=done, loss=loss_sum / world, lr=lr, step_time_s=dt, tokens_per_s=tokens_per_step / dt)
+        last = done == args.max_steps
+        if last or (args.eval_interval and done % args.eval_interval == 0):
+            eval_loss = evaluate(engine, val, args, mbs, rank, world, device)
+            record.update(eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
+        if rank == 0:
+            log.write(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            if "eval_loss" in record:
+                bar.write(f"step {done}: eval loss {eval_loss:.4f} (ppl {record['eval_ppl']:.2f})")
+        if last or done == end_step or (args.save_interval and done % args.save_interval == 0):
+            engine.save_checkpoint(args.save_dir, tag=checkpointing.tag_for(done),
+                                   client_state=dict(step=done, seed=args.seed))
+            if rank == 0:  # save_checkpoint returned on every rank: the checkpoint is whole
+                checkpointing.mark_complete(args.save_dir, done, dict(seed=args.seed, world_size=world))
+    bar.close()
+    if eval_loss is None:  # resumed from the final checkpoint: nothing trained, still report
+        eval_loss = evaluate(engine, val, args, mbs, rank, world, device)
+
+    # ---- summary
+    opt_bytes = optimizer_state_bytes(innermost_optimizer(engine))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    total_opt_bytes, rss_sum = all_reduce_sum([opt_bytes, peak_rss], device)
+    steady = step_times[1:] or step_times  # the first step pays for lazy state and warm-up
+    summary = dict(
+        model=args.model, n_params=n_params, world_size=world, config=str(args.deepspeed_config),
+        optimizer=type(innermost_optimizer(engine)).__name__, steps=args.max_steps, start_step=start_step,
+        final_eval_loss=eval_loss, final_eval_ppl=math.exp(min(eval_loss, 50.0)),
+        mean_step_time_s=sum(steady) / len(steady) if steady else None,
+        tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else None,
+        optimizer_state_bytes=int(total_opt_bytes), optimizer_state_bytes_rank0=opt_bytes,
+        peak_rss_bytes_rank0=peak_rss, peak_rss_bytes_sum=int(rss_sum),
+    )
+    if torch.cuda.is_available():
+        summary["peak_device_bytes_rank0"] = torch.cuda.max_memory_allocated()
+    if rank == 0:
+        (Path(args.save_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.close()
+        print(json.dumps(summary))
+    dist_setup.shutdown()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
