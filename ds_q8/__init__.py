@@ -3,7 +3,8 @@ from . import functional
 from .functional import create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from .groups import param_groups
 from .nn import StableEmbedding
-from .optim import Adam8bitBlock, AdamW8bitBlock, Momentum8bitBlock, Optimizer8bitBlock
+from .optim import (Adagrad8bitBlock, Adam8bitBlock, AdamW8bitBlock, LAMB8bitBlock, LARS8bitBlock, Lion8bitBlock,
+                    Momentum8bitBlock, Optimizer8bitBlock, RMSprop8bitBlock)
 from .registry import OPTIMIZERS, register_with_deepspeed
 
 __version__ = "0.1.0"
@@ -21,6 +22,11 @@ __all__ = [
     "Adam8bitBlock",
     "AdamW8bitBlock",
     "Momentum8bitBlock",
+    "RMSprop8bitBlock",
+    "Adagrad8bitBlock",
+    "LAMB8bitBlock",
+    "LARS8bitBlock",
+    "Lion8bitBlock",
     "OPTIMIZERS",
     "register_with_deepspeed",
 ]

@@ -63,14 +63,27 @@ def get_map(kind: str, signed: bool, device) -> torch.Tensor:
 _device_maps: Dict[tuple, torch.Tensor] = {}
 
 
+def block_size_of(group: dict, p: torch.Tensor) -> int:
+    """The block length for ``p``'s state: the group's ``block_size``, or all of ``p`` when it is None."""
+    return F.resolve_block_size(group["block_size"], p.numel())
+
+
 class Optimizer8bitBlock(torch.optim.Optimizer):
     state_names: tuple = ()
     state_signed: tuple = ()
     update_rule: str = ""
+    #: Rules whose step is scaled by a whole-tensor quantity (the LAMB/LARS trust ratio) set this.
+    #: step() then runs a first pass over the tensor that changes nothing, takes the L2 norm of
+    #: each tensor ``_norm_terms`` returns, and lets ``_norm_hyper`` fold the norms into the
+    #: step's scalars; the update itself stays one elementwise ``_update_fp32`` pass.
+    needs_norms: bool = False
 
     def __init__(self, params, defaults: dict):
         common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic")
         common.update(defaults)
+        # Element counts of each group's parameters as given: a whole-tensor rule compares them with
+        # what the group holds at step time to notice flattening wrappers (ZeRO).
+        self._given_numels: List[List[int]] = []
         super().__init__(params, common)
 
     # ------------------------------------------------------------------ checks
@@ -83,10 +96,18 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._given_numels.append([p.numel() for p in group["params"]])
 
     def _check_common(self, group: dict) -> None:
         check_range("lr", group["lr"], 0.0, math.inf)
-        F.check_block_size(group["block_size"])
+        if group["block_size"] is not None:
+            try:
+                F.check_block_size(group["block_size"])
+            except ValueError:
+                raise ValueError(
+                    f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}] "
+                    f"or None (one block per tensor), got {group['block_size']!r}"
+                ) from None
         mbs = group["min_8bit_size"]
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
             raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
@@ -107,7 +128,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = 0
         if self._uses_8bit(p, group):
-            nb = F.num_blocks(p.numel(), group["block_size"])
+            nb = F.num_blocks(p.numel(), block_size_of(group, p))
             for i, signed in enumerate(self.state_signed, start=1):
                 zero_index = int(torch.argmin(get_map(group["quantization"], signed, "cpu").abs()))
                 state[f"state{i}"] = torch.full(p.shape, zero_index, dtype=torch.uint8, device=p.device)
@@ -140,7 +161,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if self.is_8bit_state(state):
             for i, (name, m) in enumerate(zip(self.state_names, self._maps(group, p.device)), start=1):
                 out[name] = F.dequantize_flat(
-                    state[f"state{i}"].reshape(-1), state[f"absmax{i}"], m, group["block_size"]
+                    state[f"state{i}"].reshape(-1), state[f"absmax{i}"], m, block_size_of(group, p)
                 ).view(p.shape)
         else:
             for i, name in enumerate(self.state_names, start=1):
@@ -164,9 +185,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"state '{name}' contains NaN or Inf")
             if eight:
-                am = F.block_absmax(v, group["block_size"])
+                am = F.block_absmax(v, block_size_of(group, p))
                 fresh[f"absmax{i}"] = am
-                fresh[f"state{i}"] = F.quantize_with_absmax(v, am, m, group["block_size"]).view(p.shape)
+                fresh[f"state{i}"] = F.quantize_with_absmax(v, am, m, block_size_of(group, p)).view(p.shape)
             else:
                 fresh[f"state{i}"] = v.clone().view(p.shape)
         self.state[p] = fresh
@@ -201,6 +222,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                     self._init_state(p, group, state)
                 state["step"] = int(state["step"]) + 1
                 h = self._hyper(group, state["step"])
+                if self.needs_norms:
+                    self._check_whole_tensors(group)
+                    h = self._norm_hyper(h, self._tensor_norms(p, grad, state, group, h))
                 self._step_param(p, grad, state, group, h)
         return loss
 
@@ -213,6 +237,67 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         else:
             self._reference_step_32bit(p, grad, state, h)
 
+    # ------------------------------------------------------------------ whole-tensor rules
+    def _norm_terms(self, p, g, states, h) -> tuple:
+        """Tensors (float32, one chunk) whose whole-tensor L2 norms the step needs (override).
+
+        ``states`` are scratch copies and may be changed; ``p`` and ``g`` must not be.
+        """
+        raise NotImplementedError
+
+    def _norm_hyper(self, h: Dict[str, float], norms: List[float]) -> Dict[str, float]:
+        """The step's scalars once the norms of ``_norm_terms`` are known (override)."""
+        raise NotImplementedError
+
+    def _tensor_norms(self, p, grad, state, group, h) -> List[float]:
+        """First pass of a whole-tensor rule: L2 norms over all of ``p``; no state is changed.
+
+        It walks the same chunks and dequantizes the same codes as the update pass, so a norm of
+        the updated state is a norm of exactly what the update will then compute. Squares are
+        summed in float64.
+        """
+        eight = self.is_8bit_state(state)
+        k = len(self.state_signed)
+        n = p.numel()
+        bs = block_size_of(group, p) if eight else 1
+        maps = self._maps(group, p.device) if eight else []
+        pf, gf = p.detach().reshape(-1), grad.reshape(-1)
+        flat = [state[f"state{i}"].view(-1) for i in range(1, k + 1)]
+        sums: List[float] = []
+        chunk = max(bs, _REFERENCE_CHUNK // bs * bs)
+        # an empty tensor still makes one (empty) chunk, so its norms are 0
+        for start in range(0, max(n, 1), chunk):
+            end = min(n, start + chunk)
+            if eight:
+                b0, b1 = start // bs, F.num_blocks(end, bs)
+                absmax = [state[f"absmax{i}"][b0:b1] for i in range(1, k + 1)]
+                states = [F.dequantize_flat(c[start:end], a, m, bs) for c, a, m in zip(flat, absmax, maps)]
+            else:
+                states = [s[start:end].clone() for s in flat]
+            terms = self._norm_terms(pf[start:end].to(torch.float32), gf[start:end].to(torch.float32), states, h)
+            part = [float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2) for t in terms]
+            sums = part if not sums else [a + b for a, b in zip(sums, part)]
+        return [math.sqrt(x) for x in sums]
+
+    def _check_whole_tensors(self, group: dict) -> None:
+        """Refuse to step when a wrapper replaced the group's parameters by flat partitions.
+
+        ZeRO (stages 1-3) hands the optimizer one flat fp32 partition per group that cuts across
+        parameters, so a per-parameter norm cannot be formed from it.
+        """
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        given = self._given_numels[gi] if gi < len(self._given_numels) else None
+        held = [q.numel() for q in group["params"]]
+        if held != given:
+            raise RuntimeError(
+                f"{self.__class__.__name__} scales each parameter's update by a norm of the whole parameter, "
+                f"but parameter group {gi} now holds tensors of {held} elements instead of the {given} it was "
+                "given: its parameters were flattened into partitions (ZeRO stage 1, 2 or 3 does this), which "
+                "hide parameter boundaries. ZeRO stages 1-3 and DeepSpeed's bf16 optimizer do this; run it with "
+                "fp32 or fp16 and ZeRO stage 0, or use an optimizer without a per-parameter norm (e.g. "
+                "AdamW8bitBlock, Lion8bitBlock)."
+            )
+
     def _reference_step_32bit(self, p, grad, state, h) -> None:
         states = [state[f"state{i}"] for i in range(1, len(self.state_signed) + 1)]
         if p.dtype == torch.float32:
@@ -223,7 +308,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             p.data.copy_(p32)
 
     def _reference_step_8bit(self, p, grad, state, group, h) -> None:
-        bs = group["block_size"]
+        bs = block_size_of(group, p)
         maps = self._maps(group, p.device)
         n = p.numel()
         pf = p.data.view(-1)
@@ -306,7 +391,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 )
             if s.dtype == torch.uint8:
                 bs = group.get("block_size")
-                F.check_block_size(bs, "checkpoint block_size")
+                if bs is not None:
+                    F.check_block_size(bs, "checkpoint block_size")
+                bs = F.resolve_block_size(bs, p.numel())
                 a = st.get(f"absmax{i}")
                 if a is None or a.numel() != F.num_blocks(p.numel(), bs):
                     got = None if a is None else a.numel()
