@@ -292,10 +292,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{self.__class__.__name__} scales each parameter's update by a norm of the whole parameter, "
                 f"but parameter group {gi} now holds tensors of {held} elements instead of the {given} it was "
-                "given: its parameters were flattened into partitions (ZeRO stage 1, 2 or 3 does this), which "
-                "hide parameter boundaries. ZeRO stages 1-3 and DeepSpeed's bf16 optimizer do this; run it with "
-                "fp32 or fp16 and ZeRO stage 0, or use an optimizer without a per-parameter norm (e.g. "
-                "AdamW8bitBlock, Lion8bitBlock)."
+                "given: its parameters were flattened into partitions, which hide parameter boundaries (ZeRO "
+                "stages 1-3 and DeepSpeed's bf16 optimizer do this). Run it with ZeRO stage 0 in fp32 or fp16, "
+                "or use an optimizer without a per-parameter norm (e.g. AdamW8bitBlock, Lion8bitBlock)."
             )
 
     def _reference_step_32bit(self, p, grad, state, h) -> None:
