@@ -16,13 +16,7 @@ import ds_q8
 from ds_q8.optim import base as base_mod
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small tensors: extra intra-op threads only contend with each other on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- plain fp32 references

@@ -410,4 +410,18 @@ def resolve_betas(betas) -> tuple:
     raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
 
 
+def check_betas(group: dict) -> None:
+    """Validate ``group["betas"]`` (a list from JSON becomes a tuple)."""
+    beta1, beta2 = resolve_betas(group["betas"])
+    group["betas"] = (beta1, beta2)
+    check_range("betas[0]", beta1, 0.0, 1.0, hi_open=True)
+    check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
+
+
+def beta_hyper(group: dict) -> Dict[str, float]:
+    """The step scalars every two-beta rule uses."""
+    beta1, beta2 = group["betas"]
+    return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
+
+
 __all__ = ["Optimizer8bitBlock", "check_range", "get_map", "OPTIM_BITS_ATTR"]
