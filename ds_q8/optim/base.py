@@ -12,7 +12,11 @@ A concrete optimizer supplies only
   * ``_check_group``: validation of its own hyperparameters,
   * ``_hyper``: the step's scalars (python floats), computed once per parameter and step,
   * ``_update_fp32``: the update on float32 tensors, written as one IEEE operation per line so
-    that a compiled kernel can reproduce it exactly.
+    that a compiled kernel can reproduce it exactly;
+  * and, for rules scaled by a whole-parameter norm (LAMB, LARS), ``needs_norms = True`` with
+    ``_norm_terms``/``_norm_hyper``: a read-only first pass whose norms become step scalars.
+
+``block_size=None`` in a group means one block (one absmax) per tensor, for ablations.
 """
 from __future__ import annotations
 
