@@ -7,7 +7,7 @@ learning rates. For every run: the final validation perplexity (per byte) and wh
 unstable. Writes ``ablation.md`` (the table), ``ablation.png`` (the plot) and ``ablation.json``
 (every run) to ``--out``.
 
-    python launch/ablation.py                  # default grid, ~15-25 min on one core
+    python launch/ablation.py                  # default grid (64 runs), ~15-25 min on one core
     python launch/ablation.py --quick          # smoke test, well under a minute
 
 Plain PyTorch training loop (no DeepSpeed), one intra-op thread per run.
@@ -51,7 +51,7 @@ class Config:
     warmup: int = 20
     eval_every: int = 50
     eval_windows: int = 64
-    lrs: tuple = (1e-3, 4e-3, 1.6e-2)
+    lrs: tuple = (1e-3, 4e-3, 1.6e-2, 6.4e-2)
     seeds: tuple = (0, 1)
     betas: tuple = (0.9, 0.98)
     train_bytes: int = 4_000_000
