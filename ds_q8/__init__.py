@@ -3,7 +3,8 @@ from . import functional
 from .functional import create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from .groups import param_groups
 from .nn import StableEmbedding
-from .optim import Adam8bitBlock, AdamW8bitBlock, Momentum8bitBlock, Optimizer8bitBlock
+from . import optim
+from .optim import *  # noqa: F401,F403  (every optimizer class, listed in optim.__all__)
 from .registry import OPTIMIZERS, register_with_deepspeed
 
 __version__ = "0.1.0"
@@ -17,10 +18,6 @@ __all__ = [
     "dequantize_blockwise",
     "StableEmbedding",
     "param_groups",
-    "Optimizer8bitBlock",
-    "Adam8bitBlock",
-    "AdamW8bitBlock",
-    "Momentum8bitBlock",
     "OPTIMIZERS",
     "register_with_deepspeed",
-]
+] + list(optim.__all__)

@@ -12,6 +12,8 @@ scaled value, which lies in [-1, 1], is stored as the uint8 index of the nearest
 
 Exact rounding rule (kernels reproduce it bit for bit):
 
+* ``block_size=None`` means one block spanning the whole tensor (tensor-wise quantization, kept
+  for the paper's ablation); see :func:`resolve_block_size`.
 * ``x`` is converted to float32 first.
 * ``absmax[b] = max(|x|)`` over block ``b`` (float32).
 * ``scale = 1.0f / absmax[b]`` (float32 division); a block whose absmax is 0 uses ``scale = 0``.
@@ -87,6 +89,16 @@ def check_block_size(block_size, name: str = "block_size") -> int:
     return block_size
 
 
+def resolve_block_size(block_size: Optional[int], numel: int) -> int:
+    """The block length used for a tensor of ``numel`` elements; ``None`` means one block for all of it.
+
+    The single block is never shorter than 1 so that empty tensors still have one absmax entry.
+    """
+    if block_size is None:
+        return max(1, numel)
+    return check_block_size(block_size)
+
+
 def num_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
@@ -139,13 +151,14 @@ def dequantize_flat(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tenso
 
 
 def quantize_blockwise(
-    x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: int = DEFAULT_BLOCK_SIZE
+    x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: Optional[int] = DEFAULT_BLOCK_SIZE
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` block-wise: returns (codes uint8 shaped like x, absmax float32 per block).
 
-    Raises ValueError for non-finite input, unsupported dtypes and bad block sizes.
+    ``block_size=None`` quantizes tensor-wise (one absmax). Raises ValueError for non-finite
+    input, unsupported dtypes and bad block sizes.
     """
-    check_block_size(block_size)
+    block_size = resolve_block_size(block_size, x.numel())
     if x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     code = _check_code(code, x.device)
@@ -161,11 +174,11 @@ def dequantize_blockwise(
     codes: torch.Tensor,
     absmax: torch.Tensor,
     code: Optional[torch.Tensor] = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
+    block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: a tensor of ``dtype`` shaped like ``codes``."""
-    check_block_size(block_size)
+    block_size = resolve_block_size(block_size, codes.numel())
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
     if absmax.dtype != torch.float32:
@@ -203,6 +216,7 @@ __all__ = [
     "quantize_blockwise",
     "dequantize_blockwise",
     "check_block_size",
+    "resolve_block_size",
     "num_blocks",
     "block_absmax",
     "midpoints",

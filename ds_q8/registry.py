@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import torch
 
-from .optim import Adam8bitBlock, AdamW8bitBlock, Momentum8bitBlock
+from .optim import (Adagrad8bitBlock, Adam8bitBlock, AdamW8bitBlock, LAMB8bitBlock, LARS8bitBlock, Lion8bitBlock,
+                    Momentum8bitBlock, RMSprop8bitBlock)
 
 #: DeepSpeed JSON ``"type"`` name -> optimizer class
 OPTIMIZERS = {
     "Adam8bitBlock": Adam8bitBlock,
     "AdamW8bitBlock": AdamW8bitBlock,
     "Momentum8bitBlock": Momentum8bitBlock,
+    "RMSprop8bitBlock": RMSprop8bitBlock,
+    "Adagrad8bitBlock": Adagrad8bitBlock,
+    "LAMB8bitBlock": LAMB8bitBlock,
+    "LARS8bitBlock": LARS8bitBlock,
+    "Lion8bitBlock": Lion8bitBlock,
 }
 
 

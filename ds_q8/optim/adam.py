@@ -6,7 +6,7 @@ from typing import Dict, List
 
 import torch
 
-from .base import Optimizer8bitBlock, check_range, resolve_betas
+from .base import Optimizer8bitBlock, beta_hyper, check_betas, check_range
 
 
 class _AdamBase(Optimizer8bitBlock):
@@ -24,10 +24,7 @@ class _AdamBase(Optimizer8bitBlock):
                                       optim_bits=optim_bits, quantization=quantization), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
-        beta1, beta2 = resolve_betas(group["betas"])
-        group["betas"] = (beta1, beta2)
-        check_range("betas[0]", beta1, 0.0, 1.0, hi_open=True)
-        check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
+        check_betas(group)
         check_range("eps", group["eps"], 0.0, math.inf)
         check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
 
@@ -35,10 +32,7 @@ class _AdamBase(Optimizer8bitBlock):
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         return dict(
-            beta1=beta1,
-            one_minus_beta1=1.0 - beta1,
-            beta2=beta2,
-            one_minus_beta2=1.0 - beta2,
+            beta_hyper(group),
             eps=group["eps"],
             weight_decay=group["weight_decay"],
             decay_factor=1.0 - lr * group["weight_decay"],

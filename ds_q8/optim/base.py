@@ -12,7 +12,11 @@ A concrete optimizer supplies only
   * ``_check_group``: validation of its own hyperparameters,
   * ``_hyper``: the step's scalars (python floats), computed once per parameter and step,
   * ``_update_fp32``: the update on float32 tensors, written as one IEEE operation per line so
-    that a compiled kernel can reproduce it exactly.
+    that a compiled kernel can reproduce it exactly;
+  * and, for rules scaled by a whole-parameter norm (LAMB, LARS), ``needs_norms = True`` with
+    ``_norm_terms``/``_norm_hyper``: a read-only first pass whose norms become step scalars.
+
+``block_size=None`` in a group means one block (one absmax) per tensor, for ablations.
 """
 from __future__ import annotations
 
@@ -72,10 +76,20 @@ def get_map(kind: str, signed: bool, device) -> torch.Tensor:
 _device_maps: Dict[tuple, torch.Tensor] = {}
 
 
+def block_size_of(group: dict, p: torch.Tensor) -> int:
+    """The block length for ``p``'s state: the group's ``block_size``, or all of ``p`` when it is None."""
+    return F.resolve_block_size(group["block_size"], p.numel())
+
+
 class Optimizer8bitBlock(torch.optim.Optimizer):
     state_names: tuple = ()
     state_signed: tuple = ()
     update_rule: str = ""
+    #: Rules whose step is scaled by a whole-tensor quantity (the LAMB/LARS trust ratio) set this.
+    #: step() then runs a first pass over the tensor that changes nothing, takes the L2 norm of
+    #: each tensor ``_norm_terms`` returns, and lets ``_norm_hyper`` fold the norms into the
+    #: step's scalars; the update itself stays one elementwise ``_update_fp32`` pass.
+    needs_norms: bool = False
 
     def __new__(cls, *args, **kwargs):
         # Runs before __init__ binds the arguments, so an unknown key (typically from a DeepSpeed
@@ -91,6 +105,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self.nonfinite = NF.check_mode(nonfinite)
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
         self.skipped_steps = 0
+        # Element counts of each group's parameters as given: a whole-tensor rule compares them with
+        # what the group holds at step time to notice flattening wrappers (ZeRO).
+        self._given_numels: List[List[int]] = []
         super().__init__(params, common)
 
     # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
@@ -98,12 +115,15 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
+        state["_given_numels"] = self._given_numels
         return state
 
     def __setstate__(self, state):
         state = dict(state)
-        self.nonfinite = state.pop("nonfinite", "skip")
-        self.skipped_steps = state.pop("skipped_steps", 0)
+        # torch's load_state_dict also comes through here with only state and param_groups
+        self.nonfinite = state.pop("nonfinite", getattr(self, "nonfinite", "skip"))
+        self.skipped_steps = state.pop("skipped_steps", getattr(self, "skipped_steps", 0))
+        self._given_numels = state.pop("_given_numels", getattr(self, "_given_numels", []))
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ checks
@@ -116,10 +136,18 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
+        self._given_numels.append([p.numel() for p in group["params"]])
 
     def _check_common(self, group: dict) -> None:
         check_range("lr", group["lr"], 0.0, math.inf)
-        F.check_block_size(group["block_size"])
+        if group["block_size"] is not None:
+            try:
+                F.check_block_size(group["block_size"])
+            except ValueError:
+                raise ValueError(
+                    f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}] "
+                    f"or None (one block per tensor), got {group['block_size']!r}"
+                ) from None
         mbs = group["min_8bit_size"]
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
             raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
@@ -140,7 +168,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = 0
         if self._uses_8bit(p, group):
-            nb = F.num_blocks(p.numel(), group["block_size"])
+            nb = F.num_blocks(p.numel(), block_size_of(group, p))
             for i, signed in enumerate(self.state_signed, start=1):
                 zero_index = int(torch.argmin(get_map(group["quantization"], signed, "cpu").abs()))
                 state[f"state{i}"] = torch.full(p.shape, zero_index, dtype=torch.uint8, device=p.device)
@@ -173,7 +201,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if self.is_8bit_state(state):
             for i, (name, m) in enumerate(zip(self.state_names, self._maps(group, p.device)), start=1):
                 out[name] = F.dequantize_flat(
-                    state[f"state{i}"].reshape(-1), state[f"absmax{i}"], m, group["block_size"]
+                    state[f"state{i}"].reshape(-1), state[f"absmax{i}"], m, block_size_of(group, p)
                 ).view(p.shape)
         else:
             for i, name in enumerate(self.state_names, start=1):
@@ -197,9 +225,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"state '{name}' contains NaN or Inf")
             if eight:
-                am = F.block_absmax(v, group["block_size"])
+                am = F.block_absmax(v, block_size_of(group, p))
                 fresh[f"absmax{i}"] = am
-                fresh[f"state{i}"] = F.quantize_with_absmax(v, am, m, group["block_size"]).view(p.shape)
+                fresh[f"state{i}"] = F.quantize_with_absmax(v, am, m, block_size_of(group, p)).view(p.shape)
             else:
                 fresh[f"state{i}"] = v.clone().view(p.shape)
         self.state[p] = fresh
@@ -247,6 +275,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 self._init_state(p, group, state)
             state["step"] = int(state["step"]) + 1
             h = self._hyper(group, state["step"])
+            if self.needs_norms:
+                self._check_whole_tensors(group)
+                h = self._norm_hyper(h, self._tensor_norms(p, grad, state, group, h))
             self._step_param(p, grad, state, group, h)
         return loss
 
@@ -259,6 +290,66 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         else:
             self._reference_step_32bit(p, grad, state, h)
 
+    # ------------------------------------------------------------------ whole-tensor rules
+    def _norm_terms(self, p, g, states, h) -> tuple:
+        """Tensors (float32, one chunk) whose whole-tensor L2 norms the step needs (override).
+
+        ``states`` are scratch copies and may be changed; ``p`` and ``g`` must not be.
+        """
+        raise NotImplementedError
+
+    def _norm_hyper(self, h: Dict[str, float], norms: List[float]) -> Dict[str, float]:
+        """The step's scalars once the norms of ``_norm_terms`` are known (override)."""
+        raise NotImplementedError
+
+    def _tensor_norms(self, p, grad, state, group, h) -> List[float]:
+        """First pass of a whole-tensor rule: L2 norms over all of ``p``; no state is changed.
+
+        It walks the same chunks and dequantizes the same codes as the update pass, so a norm of
+        the updated state is a norm of exactly what the update will then compute. Squares are
+        summed in float64.
+        """
+        eight = self.is_8bit_state(state)
+        k = len(self.state_signed)
+        n = p.numel()
+        bs = block_size_of(group, p) if eight else 1
+        maps = self._maps(group, p.device) if eight else []
+        pf, gf = p.detach().reshape(-1), grad.reshape(-1)
+        flat = [state[f"state{i}"].view(-1) for i in range(1, k + 1)]
+        sums: List[float] = []
+        chunk = max(bs, _REFERENCE_CHUNK // bs * bs)
+        # an empty tensor still makes one (empty) chunk, so its norms are 0
+        for start in range(0, max(n, 1), chunk):
+            end = min(n, start + chunk)
+            if eight:
+                b0, b1 = start // bs, F.num_blocks(end, bs)
+                absmax = [state[f"absmax{i}"][b0:b1] for i in range(1, k + 1)]
+                states = [F.dequantize_flat(c[start:end], a, m, bs) for c, a, m in zip(flat, absmax, maps)]
+            else:
+                states = [s[start:end].clone() for s in flat]
+            terms = self._norm_terms(pf[start:end].to(torch.float32), gf[start:end].to(torch.float32), states, h)
+            part = [float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2) for t in terms]
+            sums = part if not sums else [a + b for a, b in zip(sums, part)]
+        return [math.sqrt(x) for x in sums]
+
+    def _check_whole_tensors(self, group: dict) -> None:
+        """Refuse to step when a wrapper replaced the group's parameters by flat partitions.
+
+        ZeRO (stages 1-3) hands the optimizer one flat fp32 partition per group that cuts across
+        parameters, so a per-parameter norm cannot be formed from it.
+        """
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        given = self._given_numels[gi] if gi < len(self._given_numels) else None
+        held = [q.numel() for q in group["params"]]
+        if held != given:
+            raise RuntimeError(
+                f"{self.__class__.__name__} scales each parameter's update by a norm of the whole parameter, "
+                f"but parameter group {gi} now holds tensors of {held} elements instead of the {given} it was "
+                "given: its parameters were flattened into partitions, which hide parameter boundaries (ZeRO "
+                "stages 1-3 and DeepSpeed's bf16 optimizer do this). Run it with ZeRO stage 0 in fp32 or fp16, "
+                "or use an optimizer without a per-parameter norm (e.g. AdamW8bitBlock, Lion8bitBlock)."
+            )
+
     def _reference_step_32bit(self, p, grad, state, h) -> None:
         states = [state[f"state{i}"] for i in range(1, len(self.state_signed) + 1)]
         if p.dtype == torch.float32:
@@ -269,7 +360,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             p.data.copy_(p32)
 
     def _reference_step_8bit(self, p, grad, state, group, h) -> None:
-        bs = group["block_size"]
+        bs = block_size_of(group, p)
         maps = self._maps(group, p.device)
         n = p.numel()
         pf = p.data.view(-1)
@@ -305,14 +396,19 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         return UNIVERSAL_STATE_NAMES[:k]
 
     @classmethod
-    def _fp32_names_in(cls, st: dict) -> Optional[tuple]:
-        """Which fp32 naming (torch's, then universal) ``st`` uses for all states, if any."""
-        candidates = [cls.state_names]
-        if len(cls.state_signed) <= len(UNIVERSAL_STATE_NAMES):
-            candidates.append(cls.universal_names())
-        for names in candidates:
-            if all(torch.is_tensor(st.get(n)) for n in names):
-                return tuple(names)
+    def _fp32_names_in(cls, st: dict, state_names: Optional[tuple] = None) -> Optional[tuple]:
+        """Which fp32 naming (torch's, then universal) ``st`` uses for all states, if any.
+
+        ``state_names`` overrides the class's names for optimizers whose layout is chosen per
+        instance (RMSprop with or without momentum).
+        """
+        names = tuple(cls.state_names if state_names is None else state_names)
+        candidates = [names]
+        if len(names) <= len(UNIVERSAL_STATE_NAMES):
+            candidates.append(UNIVERSAL_STATE_NAMES[:len(names)])
+        for cand in candidates:
+            if cand and all(torch.is_tensor(st.get(n)) for n in cand):
+                return tuple(cand)
         return None
 
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict) -> bool:
@@ -322,7 +418,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         straight into ``optimizer.state``; this turns them into codes and block maxima before the
         next update. Returns True when the state was replaced.
         """
-        names = self._fp32_names_in(state)
+        names = self._fp32_names_in(state, self.state_names)
         if names is None:
             return False
         step = state.get("step", 0)
@@ -370,7 +466,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                     raise ValueError(f"state entry {pid} lacks state{i}: not a {cls.__name__} state_dict")
                 if codes.dtype == torch.uint8:
                     m = get_map(g["quantization"], signed, codes.device)
-                    values = F.dequantize_flat(codes.reshape(-1), st[f"absmax{i}"], m, g["block_size"])
+                    bs = F.resolve_block_size(g["block_size"], codes.numel())
+                    values = F.dequantize_flat(codes.reshape(-1), st[f"absmax{i}"], m, bs)
                     new[name] = values.view(codes.shape)
                 else:
                     new[name] = codes.detach().to(torch.float32).clone()
@@ -440,7 +537,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         k = len(self.state_signed)
         if not st:
             return
-        fp32_names = self._fp32_names_in(st)
+        fp32_names = self._fp32_names_in(st, self.state_names)
         if fp32_names is not None:
             for n in fp32_names:
                 if st[n].numel() != p.numel():
@@ -465,7 +562,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 )
             if s.dtype == torch.uint8:
                 bs = group.get("block_size")
-                F.check_block_size(bs, "checkpoint block_size")
+                if bs is not None:
+                    F.check_block_size(bs, "checkpoint block_size")
+                bs = F.resolve_block_size(bs, p.numel())
                 a = st.get(f"absmax{i}")
                 if a is None or a.numel() != F.num_blocks(p.numel(), bs):
                     got = None if a is None else a.numel()
@@ -481,6 +580,20 @@ def resolve_betas(betas) -> tuple:
     if isinstance(betas, (list, tuple)) and len(betas) == 2:
         return tuple(betas)
     raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
+
+
+def check_betas(group: dict) -> None:
+    """Validate ``group["betas"]`` (a list from JSON becomes a tuple)."""
+    beta1, beta2 = resolve_betas(group["betas"])
+    group["betas"] = (beta1, beta2)
+    check_range("betas[0]", beta1, 0.0, 1.0, hi_open=True)
+    check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
+
+
+def beta_hyper(group: dict) -> Dict[str, float]:
+    """The step scalars every two-beta rule uses."""
+    beta1, beta2 = group["betas"]
+    return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
 
 
 __all__ = ["Optimizer8bitBlock", "check_range", "get_map", "OPTIM_BITS_ATTR"]

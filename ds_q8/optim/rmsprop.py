@@ -1,0 +1,79 @@
+"""RMSprop with 8-bit block-wise state."""
+from __future__ import annotations
+
+import math
+from typing import Dict, List
+
+import torch
+
+from .base import Optimizer8bitBlock, check_range
+
+
+class RMSprop8bitBlock(Optimizer8bitBlock):
+    """torch.optim.RMSprop (L2 weight decay, optional momentum) with 8-bit block-wise state.
+
+    The state is ``square_avg``, plus ``momentum_buffer`` when the optimizer is built with
+    ``momentum > 0`` (in the constructor or in any initial group); the layout is fixed then, so a
+    group added later cannot ask for momentum the state has no room for. ``centered=True`` is
+    refused: it takes a square root of ``square_avg - grad_avg**2``, a difference of two separately
+    quantized values that can turn negative.
+    """
+    # class-level layout without momentum; an instance built with momentum replaces all three
+    state_names = ("square_avg",)
+    state_signed = (False,)
+    update_rule = "rmsprop"
+
+    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
+                 block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
+                 nonfinite="skip"):
+        if centered:
+            raise ValueError("centered=True is not supported by RMSprop8bitBlock: its variance estimate "
+                             "square_avg - grad_avg**2 can turn negative once both are quantized; use centered=False")
+        params = list(params)
+        group_momentum = [g.get("momentum", 0.0) for g in params if isinstance(g, dict)]
+        with_momentum = any(_is_positive(m) for m in [momentum] + group_momentum)
+        # instance attributes: the state layout depends on whether momentum is used
+        self.state_names = ("square_avg", "momentum_buffer") if with_momentum else ("square_avg",)
+        self.state_signed = (False, True) if with_momentum else (False,)
+        self.update_rule = "rmsprop_momentum" if with_momentum else "rmsprop"
+        super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
+                                      centered=centered, block_size=block_size, min_8bit_size=min_8bit_size,
+                                      optim_bits=optim_bits, quantization=quantization), nonfinite=nonfinite)
+
+    def _check_group(self, group: dict) -> None:
+        check_range("alpha", group["alpha"], 0.0, 1.0)
+        check_range("eps", group["eps"], 0.0, math.inf)
+        check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
+        check_range("momentum", group["momentum"], 0.0, 1.0, hi_open=True)
+        if group["centered"]:
+            raise ValueError("centered must be False for RMSprop8bitBlock (see the class docstring)")
+        if group["momentum"] > 0 and len(self.state_signed) == 1:
+            raise ValueError(f"momentum must be 0 in this group, got {group['momentum']}: the optimizer was built "
+                             "without momentum, so its state has no momentum buffer; build it with momentum > 0")
+
+    def _hyper(self, group: dict, step: int) -> Dict[str, float]:
+        return dict(
+            lr=group["lr"],
+            alpha=group["alpha"],
+            one_minus_alpha=1.0 - group["alpha"],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+        )
+
+    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
+        sq = states[0]
+        if h["weight_decay"] != 0.0:
+            g = g + p * h["weight_decay"]
+        sq.mul_(h["alpha"]).add_((g * g) * h["one_minus_alpha"])
+        avg = sq.sqrt().add_(h["eps"])
+        d = g / avg
+        if len(states) == 2:
+            buf = states[1]
+            buf.mul_(h["momentum"]).add_(d)
+            d = buf
+        p.sub_(d * h["lr"])
+
+
+def _is_positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
