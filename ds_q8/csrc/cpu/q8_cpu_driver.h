@@ -91,7 +91,7 @@ StepStatus step_any_rule(const StepArgs& a) {
     auto get = [&a, &missing](const char* name) -> double {
         for (int i = 0; i < a.num_hyper; ++i)
             if (strcmp(a.hyper[i].name, name) == 0) return a.hyper[i].value;
-        missing = name;
+        if (!missing) missing = name;  // report the first one
         return 0.0;
     };
 #define Q8_TRY_RULE(NAME, RULE)                                                   \
