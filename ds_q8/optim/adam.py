@@ -65,7 +65,8 @@ class _AdamBase(Optimizer8bitBlock):
                 g = g + p * h["weight_decay"]
         m.mul_(h["beta1"]).add_(g * h["one_minus_beta1"])
         v.mul_(h["beta2"]).add_((g * g) * h["one_minus_beta2"])
-        denom = (sqrt_rn(v) / h["bias_correction2_sqrt"]).add_(h["eps"])
+        # a multiply by the reciprocal, not a division: one division fewer per element in the kernels
+        denom = (sqrt_rn(v) * (1.0 / h["bias_correction2_sqrt"])).add_(h["eps"])
         p.sub_((m / denom) * h["step_size"])
 
 

@@ -95,6 +95,18 @@ struct Avx2 {
         return _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(absmax));
     }
 
+    // Dequantize a whole block up front, one vector at a time (the driver's interface).
+    using Table = const float*;
+    static Table prepare(const float* code) { return code; }
+    static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
+        for (int i = 0; i < len; i += W) store_tmp(out + i, dequant(codes + i, len - i < W ? len - i : W, code, absmax));
+    }
+
+    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
+        const float scale = q8_block_scale(absmax);
+        for (int i = 0; i < len; i += W) quantize(out + i, load_tmp(x + i), scale, lookup, len - i < W ? len - i : W);
+    }
+
     static V absmax_init() { return _mm256_setzero_ps(); }
     static V absmax_step(V acc, V x, int cnt) {
         __m256 a = _mm256_and_ps(x.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
@@ -117,9 +129,8 @@ struct Avx2 {
         __m256i key = _mm256_xor_si256(u, flip);
         __m256i hi = _mm256_srli_epi32(key, 16);
         hi = _mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh));
-        __m256i entry = _mm256_i32gather_epi32((const int*)lookup, _mm256_sub_epi32(hi, _mm256_set1_epi32(kLookupLow)), 4);
-        __m256i above = _mm256_cmpgt_epi32(_mm256_and_si256(key, low16), _mm256_and_si256(entry, low16));
-        __m256i idx = _mm256_sub_epi32(_mm256_srli_epi32(entry, 16), above);  // above is -1 where set
+        __m256i entry = _mm256_i32gather_epi32((const int*)lookup - kLookupLow, hi, 4);
+        __m256i idx = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, low16)), 16);
         __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
         idx = _mm256_blendv_epi8(idx, _mm256_set1_epi32(255), nan);
         // byte 0 of each int32 -> the low 4 bytes of each 128-bit lane -> bytes 0..7

@@ -16,7 +16,8 @@ std::vector<std::string> supported_isas() {
     std::vector<std::string> out;
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vbmi"))
         out.push_back("avx512");
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) out.push_back("avx2");
     out.push_back("scalar");

@@ -11,9 +11,11 @@
 //   template <class T> V load(const T*, int cnt)          lanes >= cnt read as 0
 //   template <class T> void store(T*, V, int cnt)         only lanes < cnt are written
 //   V load_tmp(const float*) / void store_tmp(float*, V)  full vectors, scratch buffer
-//   V dequant(const uint8_t* codes, int cnt, const float* code, float absmax)
+//   Table prepare(const float* code)                      per-thread form of a map
+//   void dequant_block(float* out, const uint8_t* codes, int len, const Table&, float absmax)
+//                                              writes whole vectors (up to 64 lanes past len)
 //   V absmax_init() / V absmax_step(V acc, V x, int cnt) / float absmax_reduce(V acc)
-//   void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt)
+//   void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup)
 #pragma once
 
 #include <string.h>
@@ -40,22 +42,23 @@ void step_blocks(const StepArgs& a, const Rule& rule) {
 #pragma omp parallel num_threads(a.num_threads)
     {
         alignas(64) float tmp[K][kMaxBlock];
+        typename I::Table table[K];
+        for (int k = 0; k < K; ++k) table[k] = I::prepare(a.code[k]);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < nb; ++b) {
             const int64_t start = b * bs;
             const int len = (int)q8_min(bs, n - start);
             V acc[K];
-            float old_absmax[K];
             for (int k = 0; k < K; ++k) {
                 acc[k] = I::absmax_init();
-                old_absmax[k] = a.absmax[k][b];
+                I::dequant_block(tmp[k], a.codes[k] + start, len, table[k], a.absmax[k][b]);
             }
             for (int i = 0; i < len; i += W) {
                 const int cnt = (int)q8_min(W, len - i);
                 V p = I::load(param + start + i, cnt);
                 V g = I::load(grad + start + i, cnt);
                 V s[K];
-                for (int k = 0; k < K; ++k) s[k] = I::dequant(a.codes[k] + start + i, cnt, a.code[k], old_absmax[k]);
+                for (int k = 0; k < K; ++k) s[k] = I::load_tmp(tmp[k] + i);
                 rule(p, g, s);
                 I::store(param + start + i, p, cnt);
                 for (int k = 0; k < K; ++k) {
@@ -65,10 +68,8 @@ void step_blocks(const StepArgs& a, const Rule& rule) {
             }
             for (int k = 0; k < K; ++k) {
                 const float absmax = I::absmax_reduce(acc[k]);
-                const float scale = q8_block_scale(absmax);
                 a.absmax[k][b] = absmax;
-                for (int i = 0; i < len; i += W)
-                    I::quantize(a.codes[k] + start + i, I::load_tmp(tmp[k] + i), scale, a.lookup[k], (int)q8_min(W, len - i));
+                I::quantize_block(a.codes[k] + start, tmp[k], len, absmax, a.lookup[k]);
             }
         }
     }
@@ -128,10 +129,8 @@ void quantize_blocks(const QuantizeArgs& a) {
                 acc = I::absmax_step(acc, v, cnt);
             }
             const float absmax = I::absmax_reduce(acc);
-            const float scale = q8_block_scale(absmax);
             a.absmax[b] = absmax;
-            for (int i = 0; i < len; i += W)
-                I::quantize(a.codes + start + i, I::load_tmp(tmp + i), scale, a.lookup, (int)q8_min(W, len - i));
+            I::quantize_block(a.codes + start, tmp, len, absmax, a.lookup);
         }
     }
 }
@@ -142,14 +141,16 @@ void dequantize_blocks(const QuantizeArgs& a) {
     T* out = static_cast<T*>(a.x);
     const int64_t n = a.numel, bs = a.block_size;
     const int64_t nb = (n + bs - 1) / bs;
-#pragma omp parallel for schedule(static) num_threads(a.num_threads)
-    for (int64_t b = 0; b < nb; ++b) {
-        const int64_t start = b * bs;
-        const int len = (int)q8_min(bs, n - start);
-        const float absmax = a.absmax[b];
-        for (int i = 0; i < len; i += W) {
-            const int cnt = (int)q8_min(W, len - i);
-            I::store(out + start + i, I::dequant(a.codes + start + i, cnt, a.code, absmax), cnt);
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        alignas(64) float tmp[kMaxBlock];
+        typename I::Table table = I::prepare(a.code);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t start = b * bs;
+            const int len = (int)q8_min(bs, n - start);
+            I::dequant_block(tmp, a.codes + start, len, table, a.absmax[b]);
+            for (int i = 0; i < len; i += W) I::store(out + start + i, I::load_tmp(tmp + i), (int)q8_min(W, len - i));
         }
     }
 }

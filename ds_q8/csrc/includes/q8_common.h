@@ -20,7 +20,7 @@
 //    operator() receives the parameter and gradient as float32 and the states dequantized to
 //    float32, and updates p and s[0..kStates) in place. V is `float` on CUDA and in the scalar
 //    CPU path and a SIMD vector on AVX2/AVX-512; it supports + - * /, V(float) broadcast,
-//    q8_sqrt(V) and q8_div_scalar(V, float). Branch only on hyperparameters (uniform per call),
+//    and q8_sqrt(V). Branch only on hyperparameters (uniform per call),
 //    never on element values, so the same code vectorizes. Mirror the Python _update_fp32 one
 //    operation per line: `a * b + c * d` is fine (contraction is off), but do not reassociate.
 // 2. Add one line to Q8_RULES at the end of this file with the name the Python class puts in
@@ -133,10 +133,11 @@ Q8_HD void q8_store(q8_bf16* p, float v) { p->x = q8_bf16_from_float(v); }
 //
 // Map y to an unsigned key that orders like the float (negative: all bits flipped; positive: sign
 // bit set). The top 16 bits of the key (sign, exponent, 7 mantissa bits) select a bucket, a
-// contiguous range of floats. For each bucket the table holds the index of its smallest value
-// (bits 16..23) and, if one midpoint falls inside the bucket, the low 16 key bits of that midpoint
-// (bits 0..15, else 0xFFFF): y lies above that midpoint exactly when its own low 16 key bits are
-// larger. Buckets at or beyond +-2 are clamped into two end buckets (scaled values never exceed 1
+// contiguous range of floats. If one midpoint falls inside the bucket, y lies above it exactly
+// when y's low 16 key bits exceed the midpoint's (`thr`; none: thr = 0xFFFF). The table holds
+//   entry = index_of_smallest_value * 65536 + (0xFFFF - thr)
+// so that (entry + low16(key)) >> 16 is the index: the sum carries into bit 16 exactly when
+// low16(key) > thr. Buckets at or beyond +-2 are clamped into two end buckets (scaled values never exceed 1
 // by more than one rounding, except infinities). For the dynamic and linear maps every bucket
 // holds at most one midpoint; q8_build_lookup refuses maps where that fails.
 
@@ -154,8 +155,7 @@ Q8_HD uint32_t q8_bucket(uint32_t key) {
 // The code index of an already scaled value y (the reference sends NaN to 255).
 Q8_HD uint32_t q8_quantize_scaled(float y, const uint32_t* lookup) {
     uint32_t key = q8_key(y);
-    uint32_t entry = lookup[q8_bucket(key)];
-    uint32_t idx = (entry >> 16) + ((key & 0xFFFFu) > (entry & 0xFFFFu) ? 1u : 0u);
+    uint32_t idx = (lookup[q8_bucket(key)] + (key & 0xFFFFu)) >> 16;
     return y != y ? 255u : idx;
 }
 
@@ -184,8 +184,8 @@ Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
         if (!(mid[i] > -2.0f && mid[i] < 2.0f)) return false;
         if (i > 0 && mid[i] < mid[i - 1]) return false;
     }
-    lookup[0] = 0xFFFFu;                         // index 0, nothing above
-    lookup[kLookupSize - 1] = (255u << 16) | 0xFFFFu;
+    lookup[0] = 0;                               // index 0, no midpoint above
+    lookup[kLookupSize - 1] = 255u << 16;
     for (int hi = kLookupLow + 1; hi < kLookupHigh; ++hi) {
         uint32_t key_lo = (uint32_t)hi << 16, key_hi = key_lo | 0xFFFFu;
         auto value = [](uint32_t key) {
@@ -201,7 +201,7 @@ Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
             if ((int)(k >> 16) != hi) return false;
             thr = k & 0xFFFFu;
         }
-        lookup[hi - kLookupLow] = ((uint32_t)lo << 16) | thr;
+        lookup[hi - kLookupLow] = ((uint32_t)lo << 16) + (0xFFFFu - thr);
     }
     return true;
 }
@@ -212,17 +212,6 @@ Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
 template <class Get>
 Q8_HOST float q8_hyper(Get& get, const char* name) { return (float)get(name); }
 
-// torch divides a float32 CUDA tensor by a python scalar as a multiply by its float reciprocal,
-// and a CPU tensor by a true division; the reference runs on the tensor's device, so do the same.
-template <class V>
-Q8_HD V q8_div_scalar(V x, float s) {
-#if defined(__CUDA_ARCH__)
-    return x * V(1.0f / s);
-#else
-    return x / V(s);
-#endif
-}
-
 Q8_HD float q8_sqrt(float x) { return sqrtf(x); }
 
 // torch.optim.Adam / AdamW (ds_q8.optim.adam._AdamBase._update_fp32), states: exp_avg, exp_avg_sq.
@@ -230,7 +219,7 @@ template <bool kDecoupled>
 struct AdamRule {
     static constexpr int kStates = 2;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
-        bias_correction2_sqrt;
+        inv_bias_correction2_sqrt;
     bool has_weight_decay;
 
     template <class Get>
@@ -239,7 +228,8 @@ struct AdamRule {
           beta2(q8_hyper(get, "beta2")), one_minus_beta2(q8_hyper(get, "one_minus_beta2")),
           eps(q8_hyper(get, "eps")), weight_decay(q8_hyper(get, "weight_decay")),
           decay_factor(q8_hyper(get, "decay_factor")), step_size(q8_hyper(get, "step_size")),
-          bias_correction2_sqrt(q8_hyper(get, "bias_correction2_sqrt")),
+          // the reference multiplies by 1 / bias_correction2_sqrt, divided in double then rounded
+          inv_bias_correction2_sqrt((float)(1.0 / get("bias_correction2_sqrt"))),
           has_weight_decay(get("weight_decay") != 0.0) {}
 
     template <class V>
@@ -250,7 +240,7 @@ struct AdamRule {
         }
         V m = s[0] * V(beta1) + g * V(one_minus_beta1);
         V v = s[1] * V(beta2) + (g * g) * V(one_minus_beta2);
-        V denom = q8_div_scalar(q8_sqrt(v), bias_correction2_sqrt) + V(eps);
+        V denom = q8_sqrt(v) * V(inv_bias_correction2_sqrt) + V(eps);
         p = p - (m / denom) * V(step_size);
         s[0] = m;
         s[1] = v;
