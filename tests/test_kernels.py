@@ -54,10 +54,11 @@ def assert_same_bits(a, b, what):
         assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} differ"
 
 
-def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization="dynamic", grads=None, seed=0):
+def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization="dynamic", grads=None, seed=0,
+             device="cpu"):
     """Same optimizer twice, once with kernels, once forced onto the reference; returns both."""
     gen = torch.Generator().manual_seed(seed)
-    p0 = torch.randn(n, generator=gen).to(dtype)
+    p0 = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
     pk, pr = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
     if grad_dtype is not None:
         pk.grad_dtype = pr.grad_dtype = grad_dtype  # e.g. fp32 gradients of bf16 params
@@ -67,7 +68,7 @@ def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization
         g = grads[s] if grads is not None else torch.randn(n, generator=gen) * 10.0 ** (s % 3 - 1)
         if grads is None and n > block_size and s == 1:
             g[block_size:2 * block_size] = 0  # a block whose state decays to (and stays at) zero
-        g = g.to(grad_dtype or dtype)
+        g = g.to(device=device, dtype=grad_dtype or dtype)
         pk.grad, pr.grad = g.clone(), g.clone()
         ok.step()
         os.environ["DS_Q8_KERNELS"] = "0"
