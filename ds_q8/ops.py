@@ -122,9 +122,10 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None, blo
         return F.quantize_blockwise(x, code, block_size)
     code = F._check_code(code, x.device)
     flat = x.detach().reshape(-1).contiguous()
-    if flat.numel() and not bool(torch.isfinite(flat).all()):
-        raise ValueError("quantize_blockwise: x contains NaN or Inf; only finite values can be quantized")
     codes, absmax = _call(module, "quantize", x, flat, code, _lookup(code, module), block_size)
+    # a block's absmax is NaN or Inf exactly when the block holds one: a check on 1/block_size of the data
+    if absmax.numel() and not bool(torch.isfinite(absmax).all()):
+        raise ValueError("quantize_blockwise: x contains NaN or Inf; only finite values can be quantized")
     return codes.view(x.shape), absmax
 
 
