@@ -7,10 +7,9 @@ import torch
 
 import ds_q8
 from ds_q8 import functional as F
-from ds_q8 import ops
 from ds_q8.op_builder import Q8CUDABuilder
 
-from test_kernels import DTYPES, RULES, assert_same_bits, assert_same_run, run_both
+from test_kernels import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
 
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
@@ -87,11 +86,4 @@ def test_cuda_quantize_dequantize_match_reference(dtype):
     n, block_size = 4096 * 3 + 100, 2048
     x = (torch.randn(n) * torch.logspace(-8, 3, n)).to(DTYPES[dtype]).cuda()
     x[:block_size] = 0
-    code = F.create_dynamic_map(True).cuda()
-    codes, absmax = ops.quantize_blockwise(x, code, block_size)
-    ref_codes, ref_absmax = F.quantize_blockwise(x, code, block_size)
-    assert_same_bits(codes, ref_codes, "codes")
-    assert_same_bits(absmax, ref_absmax, "absmax")
-    for out_dtype in DTYPES.values():
-        got = ops.dequantize_blockwise(codes, absmax, code, block_size, out_dtype)
-        assert_same_bits(got, F.dequantize_blockwise(ref_codes, ref_absmax, code, block_size, out_dtype), "values")
+    assert_quantization_matches(x, F.create_dynamic_map(True), block_size)

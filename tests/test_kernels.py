@@ -203,16 +203,20 @@ def test_quantize_dequantize_match_reference(isa, dtype, n, block_size):
     x = (torch.randn(n, generator=gen) * torch.logspace(-8, 3, n)).to(DTYPES[dtype])
     x[:block_size] = 0  # an all-zero block
     for signed in (True, False):
-        code = F.create_dynamic_map(signed)
-        xi = x if signed else x.abs()
-        codes, absmax = ops.quantize_blockwise(xi, code, block_size)
-        ref_codes, ref_absmax = F.quantize_blockwise(xi, code, block_size)
-        assert_same_bits(codes, ref_codes, "codes")
-        assert_same_bits(absmax, ref_absmax, "absmax")
-        for out_dtype in DTYPES.values():
-            got = ops.dequantize_blockwise(codes, absmax, code, block_size, out_dtype)
-            want = F.dequantize_blockwise(ref_codes, ref_absmax, code, block_size, out_dtype)
-            assert_same_bits(got, want, f"dequantized {out_dtype}")
+        assert_quantization_matches(x if signed else x.abs(), F.create_dynamic_map(signed), block_size)
+
+
+def assert_quantization_matches(x, code, block_size):
+    """ops.(de)quantize_blockwise give the bits of ds_q8.functional's, for every output dtype."""
+    code = code.to(x.device)
+    codes, absmax = ops.quantize_blockwise(x, code, block_size)
+    ref_codes, ref_absmax = F.quantize_blockwise(x, code, block_size)
+    assert_same_bits(codes, ref_codes, "codes")
+    assert_same_bits(absmax, ref_absmax, "absmax")
+    for out_dtype in DTYPES.values():
+        got = ops.dequantize_blockwise(codes, absmax, code, block_size, out_dtype)
+        want = F.dequantize_blockwise(ref_codes, ref_absmax, code, block_size, out_dtype)
+        assert_same_bits(got, want, f"dequantized {out_dtype}")
 
 
 def test_quantize_rejects_bad_input(cpu_op):

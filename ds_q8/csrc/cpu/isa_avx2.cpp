@@ -10,6 +10,7 @@
 #pragma GCC target("avx2,f16c")
 
 #include "q8_common.h"
+#include "q8_cpu_blocks.h"
 
 namespace ds_q8 {
 namespace {
@@ -26,7 +27,7 @@ inline V256 operator*(V256 a, V256 b) { return _mm256_mul_ps(a.v, b.v); }
 inline V256 operator/(V256 a, V256 b) { return _mm256_div_ps(a.v, b.v); }
 inline V256 q8_sqrt(V256 a) { return _mm256_sqrt_ps(a.v); }
 
-struct Avx2 {
+struct Avx2 : PerVectorBlocks<Avx2> {
     static constexpr int W = 8;
     using V = V256;
 
@@ -93,18 +94,6 @@ struct Avx2 {
         uint8_t b[8];
         __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)staged_in(c, cnt, b)));
         return _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(absmax));
-    }
-
-    // Dequantize a whole block up front, one vector at a time (the driver's interface).
-    using Table = const float*;
-    static Table prepare(const float* code) { return code; }
-    static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
-        for (int i = 0; i < len; i += W) store_tmp(out + i, dequant(codes + i, len - i < W ? len - i : W, code, absmax));
-    }
-
-    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
-        const float scale = q8_block_scale(absmax);
-        for (int i = 0; i < len; i += W) quantize(out + i, load_tmp(x + i), scale, lookup, len - i < W ? len - i : W);
     }
 
     static V absmax_init() { return _mm256_setzero_ps(); }

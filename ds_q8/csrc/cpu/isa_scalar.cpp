@@ -4,11 +4,12 @@
 #include <string.h>
 
 #include "q8_common.h"
+#include "q8_cpu_blocks.h"
 
 namespace ds_q8 {
 namespace {
 
-struct Scalar {
+struct Scalar : PerVectorBlocks<Scalar> {
     static constexpr int W = 1;
     using V = float;
 
@@ -19,18 +20,6 @@ struct Scalar {
     static V load_tmp(const float* p) { return *p; }
     static void store_tmp(float* p, V v) { *p = v; }
     static V dequant(const uint8_t* c, int, const float* code, float absmax) { return code[*c] * absmax; }
-    // Dequantize a whole block up front, one vector at a time (the driver's interface).
-    using Table = const float*;
-    static Table prepare(const float* code) { return code; }
-    static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
-        for (int i = 0; i < len; i += W) store_tmp(out + i, dequant(codes + i, len - i < W ? len - i : W, code, absmax));
-    }
-
-    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
-        const float scale = q8_block_scale(absmax);
-        for (int i = 0; i < len; i += W) quantize(out + i, load_tmp(x + i), scale, lookup, len - i < W ? len - i : W);
-    }
-
     static V absmax_init() { return 0.0f; }
     static V absmax_step(V acc, V x, int) { return q8_absmax_step(acc, x); }
     static float absmax_reduce(V acc) { return acc; }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "q8_binding.h"
 #include "q8_common.h"
 #include "q8_cpu_api.h"
 
@@ -45,50 +46,20 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
-void check_block_size(int64_t block_size) {
-    TORCH_CHECK_VALUE(block_size >= 64 && block_size <= 4096 && (block_size & (block_size - 1)) == 0,
-                      "block_size must be a power of two in [64, 4096], got ", block_size);
-}
+using binding::check_block_size;
 
 void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
     check_cpu_contiguous(code, "code");
     check_cpu_contiguous(lookup, "lookup");
-    TORCH_CHECK_VALUE(code.scalar_type() == torch::kFloat32 && code.numel() == 256,
-                      "code must be 256 float32 values, got ", code.numel(), " of ", code.scalar_type());
-    TORCH_CHECK_VALUE(lookup.scalar_type() == torch::kInt32 && lookup.numel() == kLookupSize,
-                      "lookup must come from build_lookup (", kLookupSize, " int32), got ", lookup.numel(), " of ",
-                      lookup.scalar_type());
+    binding::check_code(code);
+    binding::check_lookup(lookup);
 }
 
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
                  const char* name) {
     check_cpu_contiguous(codes, name);
     check_cpu_contiguous(absmax, "absmax");
-    TORCH_CHECK_VALUE(codes.scalar_type() == torch::kUInt8 && codes.numel() == numel, name, " must be ", numel,
-                      " uint8 codes, got ", codes.numel(), " of ", codes.scalar_type());
-    const int64_t nb = (numel + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(absmax.scalar_type() == torch::kFloat32 && absmax.numel() == nb, "absmax must be ", nb,
-                      " float32 values for ", numel, " elements with block_size=", block_size, ", got ",
-                      absmax.numel(), " of ", absmax.scalar_type());
-}
-
-std::vector<std::string> rules() {
-    std::vector<std::string> names;
-#define Q8_RULE_NAME(NAME, RULE) names.push_back(NAME);
-    Q8_RULES(Q8_RULE_NAME)
-#undef Q8_RULE_NAME
-    return names;
-}
-
-torch::Tensor build_lookup(const torch::Tensor& code) {
-    check_cpu_contiguous(code, "code");
-    TORCH_CHECK_VALUE(code.scalar_type() == torch::kFloat32 && code.numel() == 256,
-                      "code must be 256 float32 values, got ", code.numel(), " of ", code.scalar_type());
-    auto lookup = torch::empty({kLookupSize}, torch::kInt32);
-    bool ok = q8_build_lookup(code.data_ptr<float>(), reinterpret_cast<uint32_t*>(lookup.data_ptr<int32_t>()));
-    TORCH_CHECK_VALUE(ok, "code must be sorted with midpoints in (-2, 2) and at most one midpoint per 2^-7 "
-                          "relative interval (the dynamic and linear maps are)");
-    return lookup;
+    binding::check_codes(codes, absmax, numel, block_size, name);
 }
 
 void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
@@ -163,8 +134,7 @@ torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, con
     check_block_size(block_size);
     check_codes(codes, absmax, codes.numel(), block_size, "codes");
     check_cpu_contiguous(code, "code");
-    TORCH_CHECK_VALUE(code.scalar_type() == torch::kFloat32 && code.numel() == 256,
-                      "code must be 256 float32 values, got ", code.numel(), " of ", code.scalar_type());
+    binding::check_code(code);
     auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
     QuantizeArgs a{};
     a.x = out.data_ptr();
@@ -187,8 +157,8 @@ torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, con
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CPU kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("supported_isas", &ds_q8::supported_isas, "instruction sets this CPU can run, best first");
-    m.def("rules", &ds_q8::rules, "update rules with a fused kernel (Python update_rule names)");
-    m.def("build_lookup", &ds_q8::build_lookup, "nearest-code lookup table of a 256-entry map");
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "q8_binding.h"
 #include "q8_common.h"
 #include "q8_cuda_api.h"
 
@@ -16,19 +17,14 @@ void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& d
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
-void check_block_size(int64_t block_size) {
-    TORCH_CHECK_VALUE(block_size >= 64 && block_size <= 4096 && (block_size & (block_size - 1)) == 0,
-                      "block_size must be a power of two in [64, 4096], got ", block_size);
-}
+using binding::check_block_size;
 
 void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const torch::Device& device) {
     check_cuda(code, "code", device);
-    TORCH_CHECK_VALUE(code.scalar_type() == torch::kFloat32 && code.numel() == 256,
-                      "code must be 256 float32 values, got ", code.numel(), " of ", code.scalar_type());
+    binding::check_code(code);
     if (lookup) {
         check_cuda(*lookup, "lookup", device);
-        TORCH_CHECK_VALUE(lookup->scalar_type() == torch::kInt32 && lookup->numel() == kLookupSize,
-                          "lookup must come from build_lookup (", kLookupSize, " int32), got ", lookup->numel());
+        binding::check_lookup(*lookup);
     }
 }
 
@@ -36,24 +32,7 @@ void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_
                  const torch::Device& device) {
     check_cuda(codes, "codes", device);
     check_cuda(absmax, "absmax", device);
-    TORCH_CHECK_VALUE(codes.scalar_type() == torch::kUInt8 && codes.numel() == numel, "codes must be ", numel,
-                      " uint8 values, got ", codes.numel(), " of ", codes.scalar_type());
-    const int64_t nb = (numel + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(absmax.scalar_type() == torch::kFloat32 && absmax.numel() == nb, "absmax must be ", nb,
-                      " float32 values for ", numel, " elements with block_size=", block_size, ", got ",
-                      absmax.numel());
-}
-
-// Built on the host (CPU tensor in, CPU tensor out); the caller moves it to the device once.
-torch::Tensor build_lookup(const torch::Tensor& code) {
-    TORCH_CHECK_VALUE(code.device().is_cpu() && code.is_contiguous() && code.scalar_type() == torch::kFloat32 &&
-                          code.numel() == 256,
-                      "code must be a contiguous CPU tensor of 256 float32 values");
-    auto lookup = torch::empty({kLookupSize}, torch::kInt32);
-    bool ok = q8_build_lookup(code.data_ptr<float>(), reinterpret_cast<uint32_t*>(lookup.data_ptr<int32_t>()));
-    TORCH_CHECK_VALUE(ok, "code must be sorted with midpoints in (-2, 2) and at most one midpoint per 2^-7 "
-                          "relative interval (the dynamic and linear maps are)");
-    return lookup;
+    binding::check_codes(codes, absmax, numel, block_size, "codes");
 }
 
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
@@ -101,8 +80,8 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
-    m.def("rules", &ds_q8::cuda_rules, "update rules with a fused kernel (Python update_rule names)");
-    m.def("build_lookup", &ds_q8::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");

@@ -17,7 +17,6 @@ struct StepTensors {
     int64_t block_size;
 };
 
-std::vector<std::string> cuda_rules();
 void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& code,
                    const at::Tensor& lookup, int64_t block_size);

@@ -271,14 +271,6 @@ bool launch_dtypes(const StepTensors& t, const Rule& rule) {
 
 }  // namespace
 
-std::vector<std::string> cuda_rules() {
-    std::vector<std::string> names;
-#define Q8_RULE_NAME(NAME, RULE) names.push_back(NAME);
-    Q8_RULES(Q8_RULE_NAME)
-#undef Q8_RULE_NAME
-    return names;
-}
-
 void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper) {
     if (t.param.numel() == 0) return;
     const c10::cuda::CUDAGuard guard(t.param.device());
