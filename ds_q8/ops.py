@@ -106,7 +106,12 @@ def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
     codes = [state[f"state{i}"] for i in range(1, k + 1)]
     absmax = [state[f"absmax{i}"] for i in range(1, k + 1)]
     maps = optimizer._maps(group, p.device)
-    lookups = [_lookup(m, module) for m in maps]
+    try:
+        lookups = [_lookup(m, module) for m in maps]
+    except ValueError as exc:  # a map too dense for the one-comparison table
+        _warn_once(f"map-{group['quantization']}", f"ds_q8: no fused kernel for this map ({exc}); using the "
+                                                   "reference step")
+        return False
     _call(module, "step", p, rule, p.data, grad.contiguous(), codes, absmax, maps, lookups,
           group["block_size"], dict(hyper))
     return True

@@ -280,6 +280,17 @@ def test_unknown_rule_falls_back_with_one_warning(cpu_op, monkeypatch):
         opt.step()
 
 
+def test_map_without_lookup_table_falls_back(cpu_op, monkeypatch):
+    dense = torch.linspace(0.5, 0.51, 256)  # many midpoints per table bucket
+    monkeypatch.setattr(ds_q8.Momentum8bitBlock, "_maps", lambda self, group, device: [dense])
+    monkeypatch.setattr(ops, "_warned", set())
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.Momentum8bitBlock([p])
+    p.grad = torch.randn(5000)
+    with pytest.warns(RuntimeWarning, match="no fused kernel for this map"):
+        opt.step()
+
+
 def test_kernels_can_be_switched_off(monkeypatch):
     monkeypatch.setenv("DS_Q8_KERNELS", "0")
     assert not ops.kernels_enabled()
