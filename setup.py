@@ -1,5 +1,47 @@
-"""Install ds_q8. Kernels are JIT-compiled on first use unless asked for at install time."""
+"""Install ds_q8. Kernels are JIT-compiled on first use unless asked for at install time.
+
+Prebuilding follows DeepSpeed's DS_BUILD_<OP>=1 convention:
+  DS_BUILD_Q8_CPU=1    the C++ CPU op (ds_q8._q8_cpu)
+  DS_BUILD_Q8_CUDA=1   the CUDA op (ds_q8._q8_cuda); needs CUDA_HOME, and TORCH_CUDA_ARCH_LIST
+                       when no GPU is visible
+  DS_BUILD_OPS=1       both
+"""
+import importlib.util
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0").strip() == "1"
+
+
+def _prebuilt_extensions():
+    wanted = [kind for kind, var in (("cpu", "DS_BUILD_Q8_CPU"), ("cuda", "DS_BUILD_Q8_CUDA"))
+              if _flag(var) or _flag("DS_BUILD_OPS")]
+    if not wanted:
+        return [], {}
+    # Load ds_q8/op_builder alone: importing the ds_q8 package would need it installed already.
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "ds_q8", "op_builder", "__init__.py")
+    spec = importlib.util.spec_from_file_location("ds_q8_op_builder", path,
+                                                  submodule_search_locations=[os.path.dirname(path)])
+    builders = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = builders
+    spec.loader.exec_module(builders)
+    from torch.utils.cpp_extension import BuildExtension
+
+    extensions = []
+    for kind in wanted:
+        builder = builders.ALL_BUILDERS[kind]()
+        if not builder.is_compatible(verbose=True):
+            raise RuntimeError(f"cannot prebuild the {kind} op: {builder.error_log}")
+        extensions.append(builder.builder())
+    return extensions, {"build_ext": BuildExtension}
+
+
+ext_modules, cmdclass = _prebuilt_extensions()
 
 setup(
     name="ds_q8",
@@ -21,4 +63,6 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "accelerate"],
     },
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
 )

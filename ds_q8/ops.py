@@ -1,10 +1,150 @@
-"""Dispatch from the optimizers to compiled kernels.
+"""Dispatch from the optimizers to the compiled kernels.
 
-``fused_step`` returns True when a compiled kernel performed the 8-bit step, False when the
-caller must use the pure-PyTorch reference. No kernels are wired up yet.
+CPU tensors go to the C++ op, CUDA tensors to the CUDA op. Each op is loaded (prebuilt, or
+JIT-compiled and cached by torch) on first use. When an op cannot be loaded, the step falls back
+to the pure-PyTorch reference, which gives the same result more slowly, and one warning says why.
+
+Environment:
+  DS_Q8_KERNELS=0        always use the reference (no warning)
+  DS_Q8_CPU_ISA=NAME     force the CPU instruction set: avx512, avx2 or scalar
 """
 from __future__ import annotations
 
+import os
+import warnings
+from typing import Dict, Optional
+
+import torch
+
+from . import functional as F
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+_modules: Dict[str, object] = {}
+_lookups: Dict[tuple, tuple] = {}
+_warned: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def kernels_enabled() -> bool:
+    return os.environ.get("DS_Q8_KERNELS", "1").strip().lower() not in ("0", "false", "off", "reference")
+
+
+def load_op(kind: str):
+    """The compiled module for ``kind`` ("cpu" or "cuda"), or None (with one warning) if it cannot load."""
+    if kind in _modules:
+        return _modules[kind]
+    from .op_builder import ALL_BUILDERS
+
+    builder = ALL_BUILDERS[kind]()
+    module = None
+    try:
+        if not builder.is_compatible():
+            raise RuntimeError(builder.error_log)
+        module = builder.load()
+    except Exception as exc:  # a failed build must not stop training: the reference is exact
+        reason = " ".join(str(exc).split())[:500]
+        _warn_once(f"load-{kind}", f"ds_q8: the {kind.upper()} kernels are unavailable ({reason}); using the "
+                                   "pure-PyTorch reference step (same results, slower)")
+    _modules[kind] = module
+    return module
+
+
+def cpu_isa(module) -> str:
+    """The CPU instruction set to use: DS_Q8_CPU_ISA if set, else the best one supported."""
+    supported = list(module.supported_isas())
+    wanted = os.environ.get("DS_Q8_CPU_ISA", "").strip().lower()
+    if not wanted:
+        return supported[0]
+    if wanted not in supported:
+        raise ValueError(f"DS_Q8_CPU_ISA must be one of {supported} on this CPU, got {wanted!r}")
+    return wanted
+
+
+def _lookup(code: torch.Tensor, module) -> torch.Tensor:
+    """The nearest-code table of a map, built once per map tensor (kept alive with it)."""
+    key = (str(code.device), code.data_ptr(), code._version)
+    hit = _lookups.get(key)
+    if hit is None:
+        table = module.build_lookup(code.detach().to("cpu", torch.float32).contiguous()).to(code.device)
+        hit = (code, table)
+        _lookups[key] = hit
+    return hit[1]
+
+
+def _op_for(t: torch.Tensor):
+    if not kernels_enabled() or t.device.type not in ("cpu", "cuda"):
+        return None
+    return load_op(t.device.type)
+
+
+def _call(module, name, t, *args):
+    if t.device.type == "cpu":
+        return getattr(module, name)(cpu_isa(module), *args)
+    return getattr(module, name)(*args)
+
 
 def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
-    return False
+    """Run the 8-bit step of ``p`` in a compiled kernel; False means "use the reference"."""
+    rule = getattr(optimizer, "update_rule", "")
+    if not rule or p.dtype not in _SUPPORTED or grad.dtype not in (p.dtype, torch.float32):
+        return False
+    if not p.is_contiguous() or grad.device != p.device:
+        return False
+    module = _op_for(p)
+    if module is None:
+        return False
+    if rule not in module.rules():
+        _warn_once(f"rule-{rule}", f"ds_q8: no fused kernel for update rule '{rule}'; using the reference step")
+        return False
+    k = len(optimizer.state_signed)
+    codes = [state[f"state{i}"] for i in range(1, k + 1)]
+    absmax = [state[f"absmax{i}"] for i in range(1, k + 1)]
+    maps = optimizer._maps(group, p.device)
+    try:
+        lookups = [_lookup(m, module) for m in maps]
+    except ValueError as exc:  # a map too dense for the one-comparison table
+        _warn_once(f"map-{group['quantization']}", f"ds_q8: no fused kernel for this map ({exc}); using the "
+                                                   "reference step")
+        return False
+    _call(module, "step", p, rule, p.data, grad.contiguous(), codes, absmax, maps, lookups,
+          group["block_size"], dict(hyper))
+    return True
+
+
+def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: int = F.DEFAULT_BLOCK_SIZE):
+    """:func:`ds_q8.functional.quantize_blockwise` in a compiled kernel (same checks, same codes)."""
+    F.check_block_size(block_size)
+    if x.dtype not in _SUPPORTED:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    module = _op_for(x)
+    if module is None:
+        return F.quantize_blockwise(x, code, block_size)
+    code = F._check_code(code, x.device)
+    flat = x.detach().reshape(-1).contiguous()
+    codes, absmax = _call(module, "quantize", x, flat, code, _lookup(code, module), block_size)
+    # a block's absmax is NaN or Inf exactly when the block holds one: a check on 1/block_size of the data
+    if absmax.numel() and not bool(torch.isfinite(absmax).all()):
+        raise ValueError("quantize_blockwise: x contains NaN or Inf; only finite values can be quantized")
+    return codes.view(x.shape), absmax
+
+
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Optional[torch.Tensor] = None,
+                         block_size: int = F.DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32):
+    """:func:`ds_q8.functional.dequantize_blockwise` in a compiled kernel (same checks, same values)."""
+    module = _op_for(codes)
+    if module is None or codes.dtype != torch.uint8 or dtype not in _SUPPORTED:
+        return F.dequantize_blockwise(codes, absmax, code, block_size, dtype)
+    F.check_block_size(block_size)
+    code = F._check_code(code, codes.device)
+    out = _call(module, "dequantize", codes, codes.reshape(-1).contiguous(), absmax.reshape(-1).contiguous(), code,
+                block_size, dtype)
+    return out.view(codes.shape)
+
+
+__all__ = ["fused_step", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]

@@ -9,6 +9,17 @@ import torch
 from .base import Optimizer8bitBlock, beta_hyper, check_betas, check_range
 
 
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of a float32 tensor.
+
+    torch's CPU ``sqrt`` of float32 goes through a vector math library that is off by one unit in
+    the last place for about a fifth of the inputs, so no compiled kernel could match it. The square
+    root taken in float64 and rounded once to float32 is the correctly rounded one (float64 carries
+    more than twice float32's precision), on every device, and equals the kernels' IEEE sqrt.
+    """
+    return x.double().sqrt_().to(torch.float32)
+
+
 class _AdamBase(Optimizer8bitBlock):
     state_names = ("exp_avg", "exp_avg_sq")
     state_signed = (True, False)
@@ -49,7 +60,8 @@ class _AdamBase(Optimizer8bitBlock):
                 g = g + p * h["weight_decay"]
         m.mul_(h["beta1"]).add_(g * h["one_minus_beta1"])
         v.mul_(h["beta2"]).add_((g * g) * h["one_minus_beta2"])
-        denom = (v.sqrt() / h["bias_correction2_sqrt"]).add_(h["eps"])
+        # a multiply by the reciprocal, not a division: one division fewer per element in the kernels
+        denom = (sqrt_rn(v) * (1.0 / h["bias_correction2_sqrt"])).add_(h["eps"])
         p.sub_((m / denom) * h["step_size"])
 
 

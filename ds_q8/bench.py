@@ -1,0 +1,193 @@
+"""Optimizer step and (de)quantization throughput: ``python -m ds_q8.bench [--n N] [--device cpu|cuda]``.
+
+Every implementation steps its own fp32 parameter of N elements. Repetitions are interleaved
+(one step of each implementation per round) so that load from other processes hits all of them
+alike; the table reports the median. Compare ratios within one run: absolute times on a shared
+machine drift between runs.
+
+GB/s counts the bytes a step must move at least: 16 per parameter for 8-bit state (read p, g, two
+code bytes; write p, two code bytes) and 28 for 32-bit state (read p, g, m, v; write p, m, v).
+(De)quantization counts 5 bytes per element (fp32 in and code out, or the reverse).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8 import ops
+
+BYTES_8BIT, BYTES_32BIT, BYTES_QUANT = 16, 28, 5
+LR, WD = 1e-3, 1e-2
+
+
+def _param(n: int, device: str, seed: int) -> torch.nn.Parameter:
+    g = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter(torch.randn(n, generator=g).to(device))
+    p.grad = (torch.randn(n, generator=g) * 1e-2).to(device)
+    return p
+
+
+def _reference_step(opt) -> Callable[[], None]:
+    def step():
+        saved = os.environ.get("DS_Q8_KERNELS")
+        os.environ["DS_Q8_KERNELS"] = "0"
+        try:
+            opt.step()
+        finally:
+            if saved is None:
+                del os.environ["DS_Q8_KERNELS"]
+            else:
+                os.environ["DS_Q8_KERNELS"] = saved
+    return step
+
+
+def optimizer_rows(n: int, device: str, with_reference: bool) -> List[dict]:
+    """(name, bytes per param, step function) for every implementation available here."""
+    rows = []
+
+    def add(name, bytes_per_param, make):
+        try:
+            rows.append(dict(name=name, bytes=bytes_per_param, step=make()))
+        except Exception as exc:  # an optional peer that is missing or cannot build
+            print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
+
+    def ds_q8_kernel():
+        kind = "cuda" if device.startswith("cuda") else "cpu"
+        if ops.load_op(kind) is None:
+            raise RuntimeError(f"the {kind} op is unavailable")
+        return ds_q8.AdamW8bitBlock([_param(n, device, 0)], lr=LR, weight_decay=WD).step
+
+    add("ds_q8 AdamW8bitBlock (kernel)", BYTES_8BIT, ds_q8_kernel)
+    if with_reference:
+        add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
+            lambda: _reference_step(ds_q8.AdamW8bitBlock([_param(n, device, 1)], lr=LR, weight_decay=WD)))
+    add("torch AdamW fused", BYTES_32BIT,
+        lambda: torch.optim.AdamW([_param(n, device, 2)], lr=LR, weight_decay=WD, fused=True).step)
+    add("torch AdamW foreach", BYTES_32BIT,
+        lambda: torch.optim.AdamW([_param(n, device, 3)], lr=LR, weight_decay=WD, foreach=True).step)
+    if device == "cpu":
+        def deepspeed_cpu_adam():
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            return DeepSpeedCPUAdam([_param(n, device, 4)], lr=LR, weight_decay=WD, adamw_mode=True).step
+        add("DeepSpeedCPUAdam", BYTES_32BIT, deepspeed_cpu_adam)
+
+    def bitsandbytes_adamw8bit():
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit([_param(n, device, 5)], lr=LR, weight_decay=WD).step
+    add("bitsandbytes AdamW8bit", BYTES_8BIT, bitsandbytes_adamw8bit)
+
+    def torchao_adamw8bit():
+        from torchao.optim import AdamW8bit
+        return AdamW8bit([_param(n, device, 6)], lr=LR, weight_decay=WD).step
+    add("torchao AdamW8bit", BYTES_8BIT, torchao_adamw8bit)
+    return rows
+
+
+def quantize_rows(n: int, device: str) -> List[dict]:
+    x = torch.randn(n, device=device)
+    code = F.create_dynamic_map(True).to(device)
+    codes, absmax = F.quantize_blockwise(x, code)
+    return [
+        dict(name="quantize_blockwise (kernel)", bytes=BYTES_QUANT, step=lambda: ops.quantize_blockwise(x, code)),
+        dict(name="dequantize_blockwise (kernel)", bytes=BYTES_QUANT,
+             step=lambda: ops.dequantize_blockwise(codes, absmax, code)),
+        dict(name="quantize_blockwise (reference)", bytes=BYTES_QUANT, step=lambda: F.quantize_blockwise(x, code)),
+        dict(name="dequantize_blockwise (reference)", bytes=BYTES_QUANT,
+             step=lambda: F.dequantize_blockwise(codes, absmax, code)),
+    ]
+
+
+def measure(rows: List[dict], reps: int, device: str) -> None:
+    """Interleaved repetitions after one warm-up call each; stores the median seconds in row['time']."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for row in rows:
+        row["step"]()
+    sync()
+    times: Dict[str, List[float]] = {row["name"]: [] for row in rows}
+    for _ in range(reps):
+        for row in rows:
+            sync()
+            t0 = time.perf_counter()
+            row["step"]()
+            sync()
+            times[row["name"]].append(time.perf_counter() - t0)
+    for row in rows:
+        row["times"] = times[row["name"]]
+        row["time"] = statistics.median(row["times"])
+
+
+def table(rows: List[dict], n: int, baseline: Optional[str]) -> List[dict]:
+    base = next((r["time"] for r in rows if r["name"] == baseline), None)
+    out = []
+    for r in rows:
+        out.append(dict(name=r["name"], ms=1e3 * r["time"], ratio=(r["time"] / base) if base else None,
+                        gbps=r["bytes"] * n / r["time"] / 1e9, runs_ms=[1e3 * t for t in r["times"]]))
+    return out
+
+
+def print_table(title: str, rows: List[dict], ratio_to: Optional[str]) -> None:
+    print(f"\n{title}")
+    head = f"| implementation | ms / step | ratio to {ratio_to} | GB/s |" if ratio_to else "| kernel | ms | GB/s |"
+    print(head)
+    print("|---|---:|---:|---:|" if ratio_to else "|---|---:|---:|")
+    for r in rows:
+        if ratio_to:
+            ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+            print(f"| {r['name']} | {r['ms']:.1f} | {ratio} | {r['gbps']:.1f} |")
+        else:
+            print(f"| {r['name']} | {r['ms']:.1f} | {r['gbps']:.1f} |")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=1 << 25, help="parameters per optimizer (default 2^25)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median is reported)")
+    ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-PyTorch reference row")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    args = ap.parse_args(argv)
+    if args.n < 1:
+        ap.error(f"--n must be >= 1, got {args.n}")
+    if args.reps < 1:
+        ap.error(f"--reps must be >= 1, got {args.reps}")
+    if args.device not in ("cpu", "cuda"):
+        ap.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda needs a visible GPU")
+    warnings.simplefilter("ignore", UserWarning)
+
+    baseline = "torch AdamW fused"
+    steps = optimizer_rows(args.n, args.device, not args.no_reference)
+    measure(steps, args.reps, args.device)
+    step_table = table(steps, args.n, baseline)
+    quant = quantize_rows(args.n, args.device)
+    measure(quant, args.reps, args.device)
+    quant_table = table(quant, args.n, None)
+
+    isa = None
+    if args.device == "cpu" and ops.load_op("cpu") is not None:
+        isa = ops.cpu_isa(ops.load_op("cpu"))
+    config = dict(n=args.n, device=args.device, reps=args.reps, threads=torch.get_num_threads(), cpu_isa=isa,
+                  torch=torch.__version__)
+    print(f"one AdamW step on {args.n} fp32 parameters, {args.device}, {config['threads']} threads"
+          f"{', ISA ' + isa if isa else ''}; median of {args.reps} interleaved runs")
+    print_table("optimizer step", step_table, baseline)
+    print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
+    result = dict(config=config, step=step_table, quantization=quant_table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()

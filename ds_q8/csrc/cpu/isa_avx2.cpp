@@ -1,0 +1,142 @@
+// AVX2 traits for the CPU driver (8 lanes; partial vectors go through a small zeroed buffer).
+// Every header that defines inline code is included before the target pragma, so that only
+// this file's own functions are compiled for AVX2.
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+
+#include "q8_common.h"
+#include "q8_cpu_blocks.h"
+
+namespace ds_q8 {
+namespace {
+
+struct V256 {
+    __m256 v;
+    V256() = default;
+    V256(__m256 x) : v(x) {}
+    V256(float s) : v(_mm256_set1_ps(s)) {}
+};
+inline V256 operator+(V256 a, V256 b) { return _mm256_add_ps(a.v, b.v); }
+inline V256 operator-(V256 a, V256 b) { return _mm256_sub_ps(a.v, b.v); }
+inline V256 operator*(V256 a, V256 b) { return _mm256_mul_ps(a.v, b.v); }
+inline V256 operator/(V256 a, V256 b) { return _mm256_div_ps(a.v, b.v); }
+inline V256 q8_sqrt(V256 a) { return _mm256_sqrt_ps(a.v); }
+
+struct Avx2 : PerVectorBlocks<Avx2> {
+    static constexpr int W = 8;
+    using V = V256;
+
+    // Full vectors read/write memory directly; a partial one is staged through `buf`.
+    template <class T>
+    static const T* staged_in(const T* p, int cnt, T* buf) {
+        if (cnt == W) return p;
+        memset(buf, 0, sizeof(T) * W);
+        memcpy(buf, p, sizeof(T) * cnt);
+        return buf;
+    }
+
+    static V from_words(__m128i w) {  // 8 bf16 values -> float
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(w), 16));
+    }
+
+    static V load(const float* p, int cnt) { float b[8]; return _mm256_loadu_ps(staged_in(p, cnt, b)); }
+    static V load(const q8_half* p, int cnt) {
+        q8_half b[8];
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)staged_in(p, cnt, b)));
+    }
+    static V load(const q8_bf16* p, int cnt) {
+        q8_bf16 b[8];
+        return from_words(_mm_loadu_si128((const __m128i*)staged_in(p, cnt, b)));
+    }
+
+    template <class T>
+    static void finish(T* p, const T* staged, int cnt) { memcpy(p, staged, sizeof(T) * cnt); }
+
+    static void store(float* p, V v, int cnt) {
+        if (cnt == W) { _mm256_storeu_ps(p, v.v); return; }
+        float b[8];
+        _mm256_storeu_ps(b, v.v);
+        finish(p, b, cnt);
+    }
+    static void store_words(uint16_t* p, __m128i w, int cnt) {
+        if (cnt == W) { _mm_storeu_si128((__m128i*)p, w); return; }
+        uint16_t b[8];
+        _mm_storeu_si128((__m128i*)b, w);
+        finish(p, b, cnt);
+    }
+    static void store(q8_half* p, V v, int cnt) {
+        store_words((uint16_t*)p, _mm256_cvtps_ph(v.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), cnt);
+    }
+    static void store(q8_bf16* p, V v, int cnt) {
+        __m256i u = _mm256_castps_si256(v.v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v.v, v.v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+        store_words((uint16_t*)p, _mm256_castsi256_si128(packed), cnt);
+    }
+
+    static V load_tmp(const float* p) { return _mm256_load_ps(p); }
+    static void store_tmp(float* p, V v) { _mm256_store_ps(p, v.v); }
+
+    static __m256 lanes_below(int cnt) {
+        __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), iota));
+    }
+
+    static V dequant(const uint8_t* c, int cnt, const float* code, float absmax) {
+        uint8_t b[8];
+        __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)staged_in(c, cnt, b)));
+        return _mm256_mul_ps(_mm256_i32gather_ps(code, idx, 4), _mm256_set1_ps(absmax));
+    }
+
+    static V absmax_init() { return _mm256_setzero_ps(); }
+    static V absmax_step(V acc, V x, int cnt) {
+        __m256 a = _mm256_and_ps(x.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+        __m256 live = _mm256_andnot_ps(_mm256_cmp_ps(acc.v, acc.v, _CMP_UNORD_Q), lanes_below(cnt));
+        return _mm256_blendv_ps(acc.v, _mm256_max_ps(acc.v, a), live);  // max(acc, NaN) is NaN
+    }
+    static float absmax_reduce(V acc) {
+        float b[8];
+        _mm256_storeu_ps(b, acc.v);
+        float m = 0.0f;
+        for (int i = 0; i < 8; ++i) m = q8_absmax_step(m, b[i]);
+        return m;
+    }
+
+    static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
+        const __m256i low16 = _mm256_set1_epi32(0xFFFF);
+        __m256 y = _mm256_mul_ps(x.v, _mm256_set1_ps(scale));
+        __m256i u = _mm256_castps_si256(y);
+        __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u));
+        __m256i key = _mm256_xor_si256(u, flip);
+        __m256i hi = _mm256_srli_epi32(key, 16);
+        hi = _mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh));
+        __m256i entry = _mm256_i32gather_epi32((const int*)lookup - kLookupLow, hi, 4);
+        __m256i idx = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, low16)), 16);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+        idx = _mm256_blendv_epi8(idx, _mm256_set1_epi32(255), nan);
+        // byte 0 of each int32 -> the low 4 bytes of each 128-bit lane -> bytes 0..7
+        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(idx, pick), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+        uint8_t b[8];
+        _mm_storel_epi64((__m128i*)(cnt == W ? out : b), _mm256_castsi256_si128(bytes));
+        if (cnt != W) finish(out, b, cnt);
+    }
+};
+
+}  // namespace
+}  // namespace ds_q8
+
+#include "q8_cpu_driver.h"
+
+Q8_DEFINE_ISA(avx2, Avx2)
+
+#pragma GCC pop_options

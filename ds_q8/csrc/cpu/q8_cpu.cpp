@@ -1,0 +1,165 @@
+// Torch binding of the CPU kernels: argument checks, choice of instruction set, and the calls
+// into the driver of that instruction set (isa_*.cpp).
+#include <torch/extension.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "q8_binding.h"
+#include "q8_common.h"
+#include "q8_cpu_api.h"
+
+namespace ds_q8 {
+namespace {
+
+std::vector<std::string> supported_isas() {
+    std::vector<std::string> out;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vbmi"))
+        out.push_back("avx512");
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) out.push_back("avx2");
+    out.push_back("scalar");
+    return out;
+}
+
+void check_isa(const std::string& isa) {
+    for (const auto& s : supported_isas())
+        if (s == isa) return;
+    TORCH_CHECK_VALUE(false, "isa must be one this CPU supports (", c10::Join(", ", supported_isas()), "), got '",
+                      isa, "'");
+}
+
+DType dtype_of(const torch::Tensor& t, const char* name) {
+    switch (t.scalar_type()) {
+        case torch::kFloat32: return DType::kFloat32;
+        case torch::kFloat16: return DType::kFloat16;
+        case torch::kBFloat16: return DType::kBFloat16;
+        default: TORCH_CHECK_VALUE(false, name, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+    }
+}
+
+void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got ", t.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+using binding::check_block_size;
+
+void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
+    check_cpu_contiguous(code, "code");
+    check_cpu_contiguous(lookup, "lookup");
+    binding::check_code(code);
+    binding::check_lookup(lookup);
+}
+
+void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
+                 const char* name) {
+    check_cpu_contiguous(codes, name);
+    check_cpu_contiguous(absmax, "absmax");
+    binding::check_codes(codes, absmax, numel, block_size, name);
+}
+
+void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
+          std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes,
+          std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
+    check_isa(isa);
+    check_block_size(block_size);
+    check_cpu_contiguous(param, "param");
+    check_cpu_contiguous(grad, "grad");
+    TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
+                      param.numel());
+    const size_t k = states.size();
+    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && absmax.size() == k && codes.size() == k && lookups.size() == k,
+                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
+    StepArgs a{};
+    a.rule = rule.c_str();
+    a.param = param.data_ptr();
+    a.grad = grad.data_ptr();
+    a.param_dtype = dtype_of(param, "param");
+    a.grad_dtype = dtype_of(grad, "grad");
+    a.numel = param.numel();
+    a.block_size = block_size;
+    for (size_t i = 0; i < k; ++i) {
+        check_codes(states[i], absmax[i], a.numel, block_size, "state");
+        check_map(codes[i], lookups[i]);
+        a.codes[i] = states[i].data_ptr<uint8_t>();
+        a.absmax[i] = absmax[i].data_ptr<float>();
+        a.code[i] = codes[i].data_ptr<float>();
+        a.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
+    }
+    std::vector<HyperParam> hp;
+    for (const auto& kv : hyper) hp.push_back(HyperParam{kv.first.c_str(), kv.second});
+    a.hyper = hp.data();
+    a.num_hyper = (int)hp.size();
+    a.num_threads = at::get_num_threads();
+    if (a.numel == 0) return;
+    StepStatus st = isa == "avx512" ? step_avx512(a) : isa == "avx2" ? step_avx2(a) : step_scalar(a);
+    TORCH_CHECK_VALUE(st.code != StepStatus::kMissingHyper, "update rule '", rule, "' needs hyperparameter '",
+                      st.missing, "'");
+    TORCH_CHECK_VALUE(st.code == StepStatus::kOk, "no CPU kernel for update rule '", rule, "' with param ",
+                      param.scalar_type(), " and grad ", grad.scalar_type(),
+                      " (grad must have the param's dtype or float32)");
+}
+
+std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor& x, const torch::Tensor& code,
+                                    const torch::Tensor& lookup, int64_t block_size) {
+    check_isa(isa);
+    check_block_size(block_size);
+    check_cpu_contiguous(x, "x");
+    check_map(code, lookup);
+    auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
+    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kFloat32));
+    QuantizeArgs a{};
+    a.x = const_cast<void*>(x.data_ptr());
+    a.dtype = dtype_of(x, "x");
+    a.numel = x.numel();
+    a.block_size = block_size;
+    a.codes = codes.data_ptr<uint8_t>();
+    a.absmax = absmax.data_ptr<float>();
+    a.code = code.data_ptr<float>();
+    a.lookup = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
+    a.num_threads = at::get_num_threads();
+    if (isa == "avx512") quantize_avx512(a);
+    else if (isa == "avx2") quantize_avx2(a);
+    else quantize_scalar(a);
+    return {codes, absmax};
+}
+
+torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, const torch::Tensor& absmax,
+                         const torch::Tensor& code, int64_t block_size, torch::ScalarType dtype) {
+    check_isa(isa);
+    check_block_size(block_size);
+    check_codes(codes, absmax, codes.numel(), block_size, "codes");
+    check_cpu_contiguous(code, "code");
+    binding::check_code(code);
+    auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
+    QuantizeArgs a{};
+    a.x = out.data_ptr();
+    a.dtype = dtype_of(out, "dtype");
+    a.numel = codes.numel();
+    a.block_size = block_size;
+    a.codes = const_cast<uint8_t*>(codes.data_ptr<uint8_t>());
+    a.absmax = const_cast<float*>(absmax.data_ptr<float>());
+    a.code = code.data_ptr<float>();
+    a.num_threads = at::get_num_threads();
+    if (isa == "avx512") dequantize_avx512(a);
+    else if (isa == "avx2") dequantize_avx2(a);
+    else dequantize_scalar(a);
+    return out;
+}
+
+}  // namespace
+}  // namespace ds_q8
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "ds_q8 CPU kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
+    m.def("supported_isas", &ds_q8::supported_isas, "instruction sets this CPU can run, best first");
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
+    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
+    m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
+    m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
+}

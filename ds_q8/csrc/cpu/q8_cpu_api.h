@@ -1,0 +1,60 @@
+// The boundary between the torch binding (q8_cpu.cpp) and the per-instruction-set drivers
+// (isa_*.cpp). Plain structs only, so the driver files need no torch headers and each can be
+// compiled for its own instruction set.
+#pragma once
+
+#include <stdint.h>
+
+namespace ds_q8 {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+struct HyperParam {
+    const char* name;
+    double value;
+};
+
+struct StepArgs {
+    const char* rule;          // Q8_RULES name
+    void* param;               // updated in place
+    const void* grad;
+    DType param_dtype, grad_dtype;
+    int64_t numel;
+    int64_t block_size;
+    uint8_t* codes[2];         // state1, state2 (flat, numel each)
+    float* absmax[2];          // one float per block
+    const float* code[2];      // the 256-entry map of each state
+    const uint32_t* lookup[2]; // q8_build_lookup table of each map
+    const HyperParam* hyper;
+    int num_hyper;
+    int num_threads;
+};
+
+struct QuantizeArgs {
+    void* x;                   // quantize: input; dequantize: output
+    DType dtype;
+    int64_t numel;
+    int64_t block_size;
+    uint8_t* codes;
+    float* absmax;
+    const float* code;
+    const uint32_t* lookup;
+    int num_threads;
+};
+
+struct StepStatus {
+    enum Code { kOk, kUnsupported, kMissingHyper } code;
+    const char* missing;       // the hyperparameter name, for kMissingHyper
+};
+
+// Each instruction set provides these. No exceptions cross this boundary.
+#define Q8_DECLARE_ISA(isa)                                   \
+    StepStatus step_##isa(const StepArgs& args);                              \
+    void quantize_##isa(const QuantizeArgs& args);            \
+    void dequantize_##isa(const QuantizeArgs& args);
+
+Q8_DECLARE_ISA(avx512)
+Q8_DECLARE_ISA(avx2)
+Q8_DECLARE_ISA(scalar)
+
+}  // namespace ds_q8

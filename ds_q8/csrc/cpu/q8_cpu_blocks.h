@@ -1,0 +1,33 @@
+// Block-level traits functions written with a traits class's own per-vector ones: what an
+// instruction set without special block code (AVX2, scalar) uses. Mix in with CRTP:
+//   struct Avx2 : PerVectorBlocks<Avx2> { ... per-vector functions ... };
+// Include after the target pragma, like the traits themselves.
+#pragma once
+
+#include <stdint.h>
+
+#include "q8_common.h"
+
+namespace ds_q8 {
+namespace {
+
+template <class Self>
+struct PerVectorBlocks {
+    using Table = const float*;
+    static Table prepare(const float* code) { return code; }
+
+    static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
+        constexpr int W = Self::W;
+        for (int i = 0; i < len; i += W)
+            Self::store_tmp(out + i, Self::dequant(codes + i, len - i < W ? len - i : W, code, absmax));
+    }
+
+    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
+        constexpr int W = Self::W;
+        const float scale = q8_block_scale(absmax);
+        for (int i = 0; i < len; i += W) Self::quantize(out + i, Self::load_tmp(x + i), scale, lookup, len - i < W ? len - i : W);
+    }
+};
+
+}  // namespace
+}  // namespace ds_q8

@@ -1,0 +1,181 @@
+// The CPU driver, written once for every instruction set: OpenMP over quantization blocks, and
+// per block dequantize -> update -> absmax -> requantize with the state held in an L1-sized
+// scratch buffer (never a full fp32 copy of the state).
+//
+// Include it after `#pragma GCC target(...)` and after defining the instruction-set traits `I`.
+// It uses no standard-library templates: an inline template instantiated here would carry this
+// file's instruction set and could be merged by the linker into the baseline path.
+// Traits:
+//   static constexpr int W;                    lanes per vector
+//   using V;                                   float vector: + - * /, V(float), q8_sqrt(V)
+//   template <class T> V load(const T*, int cnt)          lanes >= cnt read as 0
+//   template <class T> void store(T*, V, int cnt)         only lanes < cnt are written
+//   V load_tmp(const float*) / void store_tmp(float*, V)  full vectors, scratch buffer
+//   Table prepare(const float* code)                      per-thread form of a map
+//   void dequant_block(float* out, const uint8_t* codes, int len, const Table&, float absmax)
+//                                              writes whole vectors (up to 64 lanes past len)
+//   V absmax_init() / V absmax_step(V acc, V x, int cnt) / float absmax_reduce(V acc)
+//   void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup)
+#pragma once
+
+#include <string.h>
+
+#include "q8_common.h"
+#include "q8_cpu_api.h"
+
+namespace ds_q8 {
+namespace {
+
+constexpr int kMaxBlock = 4096;
+
+inline int64_t q8_min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+template <class I, class Rule, class P, class G>
+void step_blocks(const StepArgs& a, const Rule& rule) {
+    constexpr int K = Rule::kStates;
+    constexpr int W = I::W;
+    using V = typename I::V;
+    P* param = static_cast<P*>(a.param);
+    const G* grad = static_cast<const G*>(a.grad);
+    const int64_t n = a.numel, bs = a.block_size;
+    const int64_t nb = (n + bs - 1) / bs;
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        alignas(64) float tmp[K][kMaxBlock];
+        typename I::Table table[K];
+        for (int k = 0; k < K; ++k) table[k] = I::prepare(a.code[k]);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t start = b * bs;
+            const int len = (int)q8_min(bs, n - start);
+            V acc[K];
+            for (int k = 0; k < K; ++k) {
+                acc[k] = I::absmax_init();
+                I::dequant_block(tmp[k], a.codes[k] + start, len, table[k], a.absmax[k][b]);
+            }
+            for (int i = 0; i < len; i += W) {
+                const int cnt = (int)q8_min(W, len - i);
+                V p = I::load(param + start + i, cnt);
+                V g = I::load(grad + start + i, cnt);
+                V s[K];
+                for (int k = 0; k < K; ++k) s[k] = I::load_tmp(tmp[k] + i);
+                rule(p, g, s);
+                I::store(param + start + i, p, cnt);
+                for (int k = 0; k < K; ++k) {
+                    I::store_tmp(tmp[k] + i, s[k]);
+                    acc[k] = I::absmax_step(acc[k], s[k], cnt);
+                }
+            }
+            for (int k = 0; k < K; ++k) {
+                const float absmax = I::absmax_reduce(acc[k]);
+                a.absmax[k][b] = absmax;
+                I::quantize_block(a.codes[k] + start, tmp[k], len, absmax, a.lookup[k]);
+            }
+        }
+    }
+}
+
+template <class I, class Rule>
+bool step_dtypes(const StepArgs& a, const Rule& rule) {
+    const DType p = a.param_dtype, g = a.grad_dtype;
+    if (p == DType::kFloat32 && g == DType::kFloat32) return step_blocks<I, Rule, float, float>(a, rule), true;
+    if (p == DType::kFloat16 && g == DType::kFloat16) return step_blocks<I, Rule, q8_half, q8_half>(a, rule), true;
+    if (p == DType::kBFloat16 && g == DType::kBFloat16) return step_blocks<I, Rule, q8_bf16, q8_bf16>(a, rule), true;
+    if (p == DType::kFloat16 && g == DType::kFloat32) return step_blocks<I, Rule, q8_half, float>(a, rule), true;
+    if (p == DType::kBFloat16 && g == DType::kFloat32) return step_blocks<I, Rule, q8_bf16, float>(a, rule), true;
+    return false;
+}
+
+template <class I>
+StepStatus step_any_rule(const StepArgs& a) {
+    const char* missing = nullptr;
+    auto get = [&a, &missing](const char* name) -> double {
+        for (int i = 0; i < a.num_hyper; ++i)
+            if (strcmp(a.hyper[i].name, name) == 0) return a.hyper[i].value;
+        if (!missing) missing = name;  // report the first one
+        return 0.0;
+    };
+#define Q8_TRY_RULE(NAME, RULE)                                                   \
+    if (strcmp(a.rule, NAME) == 0) {                                              \
+        RULE rule(get);                                                           \
+        if (missing) return StepStatus{StepStatus::kMissingHyper, missing};       \
+        bool ok = step_dtypes<I>(a, rule);                                        \
+        return StepStatus{ok ? StepStatus::kOk : StepStatus::kUnsupported, nullptr}; \
+    }
+    Q8_RULES(Q8_TRY_RULE)
+#undef Q8_TRY_RULE
+    return StepStatus{StepStatus::kUnsupported, nullptr};
+}
+
+template <class I, class T>
+void quantize_blocks(const QuantizeArgs& a) {
+    constexpr int W = I::W;
+    using V = typename I::V;
+    const T* x = static_cast<const T*>(a.x);
+    const int64_t n = a.numel, bs = a.block_size;
+    const int64_t nb = (n + bs - 1) / bs;
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        alignas(64) float tmp[kMaxBlock];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t start = b * bs;
+            const int len = (int)q8_min(bs, n - start);
+            V acc = I::absmax_init();
+            for (int i = 0; i < len; i += W) {
+                const int cnt = (int)q8_min(W, len - i);
+                V v = I::load(x + start + i, cnt);
+                I::store_tmp(tmp + i, v);
+                acc = I::absmax_step(acc, v, cnt);
+            }
+            const float absmax = I::absmax_reduce(acc);
+            a.absmax[b] = absmax;
+            I::quantize_block(a.codes + start, tmp, len, absmax, a.lookup);
+        }
+    }
+}
+
+template <class I, class T>
+void dequantize_blocks(const QuantizeArgs& a) {
+    constexpr int W = I::W;
+    T* out = static_cast<T*>(a.x);
+    const int64_t n = a.numel, bs = a.block_size;
+    const int64_t nb = (n + bs - 1) / bs;
+#pragma omp parallel num_threads(a.num_threads)
+    {
+        alignas(64) float tmp[kMaxBlock];
+        typename I::Table table = I::prepare(a.code);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < nb; ++b) {
+            const int64_t start = b * bs;
+            const int len = (int)q8_min(bs, n - start);
+            I::dequant_block(tmp, a.codes + start, len, table, a.absmax[b]);
+            for (int i = 0; i < len; i += W) I::store(out + start + i, I::load_tmp(tmp + i), (int)q8_min(W, len - i));
+        }
+    }
+}
+
+template <class I, template <class, class> class F>
+void by_dtype(const QuantizeArgs& a) {
+    switch (a.dtype) {
+        case DType::kFloat32: F<I, float>::run(a); break;
+        case DType::kFloat16: F<I, q8_half>::run(a); break;
+        case DType::kBFloat16: F<I, q8_bf16>::run(a); break;
+    }
+}
+
+template <class I, class T>
+struct QuantizeOp { static void run(const QuantizeArgs& a) { quantize_blocks<I, T>(a); } };
+template <class I, class T>
+struct DequantizeOp { static void run(const QuantizeArgs& a) { dequantize_blocks<I, T>(a); } };
+
+}  // namespace
+}  // namespace ds_q8
+
+// Defines the three entry points of q8_cpu_api.h for one instruction set.
+#define Q8_DEFINE_ISA(isa, Traits)                                                                  \
+    namespace ds_q8 {                                                                               \
+    StepStatus step_##isa(const StepArgs& a) { return step_any_rule<Traits>(a); }                         \
+    void quantize_##isa(const QuantizeArgs& a) { by_dtype<Traits, QuantizeOp>(a); }                 \
+    void dequantize_##isa(const QuantizeArgs& a) { by_dtype<Traits, DequantizeOp>(a); }             \
+    }

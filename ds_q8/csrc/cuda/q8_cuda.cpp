@@ -1,0 +1,88 @@
+// Torch binding of the CUDA kernels: argument checks, then the launchers in q8_cuda_kernels.cu.
+#include <torch/extension.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "q8_binding.h"
+#include "q8_common.h"
+#include "q8_cuda_api.h"
+
+namespace ds_q8 {
+namespace {
+
+void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
+    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+}
+
+using binding::check_block_size;
+
+void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const torch::Device& device) {
+    check_cuda(code, "code", device);
+    binding::check_code(code);
+    if (lookup) {
+        check_cuda(*lookup, "lookup", device);
+        binding::check_lookup(*lookup);
+    }
+}
+
+void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
+                 const torch::Device& device) {
+    check_cuda(codes, "codes", device);
+    check_cuda(absmax, "absmax", device);
+    binding::check_codes(codes, absmax, numel, block_size, "codes");
+}
+
+void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
+          std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups,
+          int64_t block_size, const std::map<std::string, double>& hyper) {
+    check_block_size(block_size);
+    const auto device = param.device();
+    check_cuda(param, "param", device);
+    check_cuda(grad, "grad", device);
+    TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
+                      param.numel());
+    const size_t k = states.size();
+    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && absmax.size() == k && codes.size() == k && lookups.size() == k,
+                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
+    for (size_t i = 0; i < k; ++i) {
+        check_codes(states[i], absmax[i], param.numel(), block_size, device);
+        check_map(codes[i], &lookups[i], device);
+    }
+    cuda_step(StepTensors{rule, param, grad, states, absmax, codes, lookups, block_size}, hyper);
+}
+
+std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,
+                                    int64_t block_size) {
+    check_block_size(block_size);
+    check_cuda(x, "x", x.device());
+    check_map(code, &lookup, x.device());
+    auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
+    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kFloat32));
+    cuda_quantize(x, codes, absmax, code, lookup, block_size);
+    return {codes, absmax};
+}
+
+torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax, const torch::Tensor& code,
+                         int64_t block_size, torch::ScalarType dtype) {
+    check_block_size(block_size);
+    check_codes(codes, absmax, codes.numel(), block_size, codes.device());
+    check_map(code, nullptr, codes.device());
+    auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
+    cuda_dequantize(codes, absmax, code, out, block_size);
+    return out;
+}
+
+}  // namespace
+}  // namespace ds_q8
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
+    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
+    m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
+    m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
+}

@@ -1,0 +1,26 @@
+// The boundary between the torch binding (q8_cuda.cpp, host compiler) and the CUDA driver
+// (q8_cuda_kernels.cu, nvcc). Tensors are checked by the binding before they get here.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace ds_q8 {
+
+struct StepTensors {
+    std::string rule;
+    at::Tensor param, grad;
+    std::vector<at::Tensor> states, absmax, codes, lookups;
+    int64_t block_size;
+};
+
+void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);
+void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& code,
+                   const at::Tensor& lookup, int64_t block_size);
+void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code, at::Tensor& out,
+                     int64_t block_size);
+
+}  // namespace ds_q8

@@ -1,0 +1,60 @@
+// What the CPU and CUDA torch bindings share: argument checks with the messages users see, the
+// list of fused update rules, and the lookup-table builder. Host code; include after torch.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "q8_common.h"
+
+namespace ds_q8 {
+namespace binding {
+
+inline void check_block_size(int64_t block_size) {
+    TORCH_CHECK_VALUE(block_size >= 64 && block_size <= 4096 && (block_size & (block_size - 1)) == 0,
+                      "block_size must be a power of two in [64, 4096], got ", block_size);
+}
+
+inline void check_code(const torch::Tensor& code) {
+    TORCH_CHECK_VALUE(code.scalar_type() == torch::kFloat32 && code.numel() == 256 && code.is_contiguous(),
+                      "code must be 256 contiguous float32 values, got ", code.numel(), " of ", code.scalar_type());
+}
+
+inline void check_lookup(const torch::Tensor& lookup) {
+    TORCH_CHECK_VALUE(lookup.scalar_type() == torch::kInt32 && lookup.numel() == kLookupSize && lookup.is_contiguous(),
+                      "lookup must come from build_lookup (", kLookupSize, " int32), got ", lookup.numel(), " of ",
+                      lookup.scalar_type());
+}
+
+inline void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
+                        const char* name) {
+    TORCH_CHECK_VALUE(codes.is_contiguous() && absmax.is_contiguous(), name, " and absmax must be contiguous");
+    TORCH_CHECK_VALUE(codes.scalar_type() == torch::kUInt8 && codes.numel() == numel, name, " must be ", numel,
+                      " uint8 codes, got ", codes.numel(), " of ", codes.scalar_type());
+    const int64_t nb = (numel + block_size - 1) / block_size;
+    TORCH_CHECK_VALUE(absmax.scalar_type() == torch::kFloat32 && absmax.numel() == nb, "absmax must be ", nb,
+                      " float32 values for ", numel, " elements with block_size=", block_size, ", got ",
+                      absmax.numel(), " of ", absmax.scalar_type());
+}
+
+inline std::vector<std::string> rule_names() {
+    std::vector<std::string> names;
+#define Q8_RULE_NAME(NAME, RULE) names.push_back(NAME);
+    Q8_RULES(Q8_RULE_NAME)
+#undef Q8_RULE_NAME
+    return names;
+}
+
+// The nearest-code table of a map, built on the host (CPU tensor in and out).
+inline torch::Tensor build_lookup(const torch::Tensor& code) {
+    TORCH_CHECK_VALUE(code.device().is_cpu(), "code must be a CPU tensor here, got ", code.device());
+    check_code(code);
+    auto lookup = torch::empty({kLookupSize}, torch::kInt32);
+    bool ok = q8_build_lookup(code.data_ptr<float>(), reinterpret_cast<uint32_t*>(lookup.data_ptr<int32_t>()));
+    TORCH_CHECK_VALUE(ok, "code must be sorted with midpoints in (-2, 2) and at most one midpoint per 2^-7 "
+                          "relative interval (the dynamic and linear maps are)");
+    return lookup;
+}
+
+}  // namespace binding
+}  // namespace ds_q8

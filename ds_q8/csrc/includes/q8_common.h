@@ -1,0 +1,281 @@
+// Math shared by the CPU and CUDA drivers of ds_q8: the nearest-code lookup, float <-> fp16/bf16
+// rounding, and the per-element update rule of every optimizer.
+//
+// Everything here must give the same bits as the pure-PyTorch reference (ds_q8/functional.py and
+// the optimizers' _update_fp32). That is why each update is written one IEEE operation at a time
+// and the drivers are compiled without floating-point contraction (-ffp-contract=off, nvcc
+// -fmad=false) and without fast-math.
+//
+// ---------------------------------------------------------------------------------------------
+// Adding an optimizer (e.g. RMSprop, Adagrad, Lion; LAMB/LARS need a per-tensor norm first)
+// ---------------------------------------------------------------------------------------------
+// 1. Write a rule struct below:
+//      struct MyRule {
+//        static constexpr int kStates = 1 or 2;        // how many quantized states
+//        float lr, ...;                                 // hyperparameters, already float
+//        template <class Get> Q8_HOST explicit MyRule(Get get)
+//            : lr(q8_hyper(get, "lr")), ... {}          // names = keys of the Python _hyper() dict
+//        template <class V> Q8_HD void operator()(V& p, V g, V* s) const { ... }
+//      };
+//    operator() receives the parameter and gradient as float32 and the states dequantized to
+//    float32, and updates p and s[0..kStates) in place. V is `float` on CUDA and in the scalar
+//    CPU path and a SIMD vector on AVX2/AVX-512; it supports + - * /, V(float) broadcast,
+//    and q8_sqrt(V). Branch only on hyperparameters (uniform per call),
+//    never on element values, so the same code vectorizes. Mirror the Python _update_fp32 one
+//    operation per line: `a * b + c * d` is fine (contraction is off), but do not reassociate.
+// 2. Add one line to Q8_RULES at the end of this file with the name the Python class puts in
+//    `update_rule`.
+// 3. Write the Python class (subclass Optimizer8bitBlock: state_names, state_signed, update_rule,
+//    _hyper, _update_fp32). The CPU and CUDA drivers pick the rule up by name; no kernel changes.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__CUDACC__)
+#define Q8_HD __host__ __device__ __forceinline__
+#define Q8_HOST __host__
+#else
+#define Q8_HD inline
+#define Q8_HOST
+#endif
+
+namespace ds_q8 {
+
+// Storage types of fp16 and bf16 values: layout-compatible with at::Half / at::BFloat16, but free
+// of torch headers so the SIMD translation units stay small.
+struct q8_half { uint16_t x; };
+struct q8_bf16 { uint16_t x; };
+
+// The lookup table has one uint32 per bucket (see q8_build_lookup).
+constexpr int kLookupLow = 0x3FFF;    // bucket of every value <= -2 (and of negative NaNs)
+constexpr int kLookupHigh = 0xC000;   // bucket of every value >= 2
+constexpr int kLookupSize = kLookupHigh - kLookupLow + 1;
+
+// The driver TUs are compiled for different instruction sets (AVX-512, AVX2, baseline). Internal
+// linkage keeps the linker from merging, say, the AVX-512 copy of an inline helper into the
+// baseline path, which would then crash on an older CPU.
+namespace {
+
+Q8_HD uint32_t q8_bits(float f) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(f);
+#else
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+#endif
+}
+
+Q8_HD float q8_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(u);
+#else
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+// ------------------------------------------------------------------ fp16 / bf16
+// Round to nearest even, like torch's conversions (NaN becomes a quiet NaN).
+Q8_HD uint16_t q8_bf16_from_float(float f) {
+    uint32_t u = q8_bits(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+Q8_HD float q8_float_from_bf16(uint16_t h) { return q8_float((uint32_t)h << 16); }
+
+Q8_HD uint16_t q8_half_from_float(float f) {
+    uint32_t u = q8_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return sign | 0x7E00;            // NaN
+    if (a >= 0x47800000u) return sign | 0x7C00;           // >= 2^16: infinity
+    if (a >= 0x38800000u) {                               // normal half (>= 2^-14)
+        uint32_t r = (a + 0xFFFu + ((a >> 13) & 1u)) >> 13; // a carry into the exponent is right
+        return (uint16_t)(sign | (r - (112u << 10)));     // rebias 127 -> 15
+    }
+    uint32_t e = a >> 23;
+    if (e < 102) return sign;                             // below half the smallest subnormal
+    uint32_t mant = (a & 0x7FFFFFu) | 0x800000u;          // value = mant * 2^(e - 150)
+    uint32_t shift = 126u - e;                            // in units of 2^-24: 14..24
+    uint32_t q = mant >> shift;
+    uint32_t rem = mant & ((1u << shift) - 1u);
+    uint32_t halfway = 1u << (shift - 1u);
+    if (rem > halfway || (rem == halfway && (q & 1u))) ++q;
+    return (uint16_t)(sign | q);
+}
+
+Q8_HD float q8_float_from_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1Fu;
+    uint32_t m = h & 0x3FFu;
+    if (e == 0x1F) return q8_float(sign | 0x7F800000u | (m << 13));
+    if (e != 0) return q8_float(sign | ((e + 112u) << 23) | (m << 13));
+    // subnormal or zero: m * 2^-24 is exact in float32
+    float v = (float)m * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+}
+
+Q8_HD float q8_to_float(float v) { return v; }
+Q8_HD float q8_to_float(q8_half v) { return q8_float_from_half(v.x); }
+Q8_HD float q8_to_float(q8_bf16 v) { return q8_float_from_bf16(v.x); }
+Q8_HD void q8_store(float* p, float v) { *p = v; }
+Q8_HD void q8_store(q8_half* p, float v) { p->x = q8_half_from_float(v); }
+Q8_HD void q8_store(q8_bf16* p, float v) { p->x = q8_bf16_from_float(v); }
+
+// ------------------------------------------------------------------ nearest code
+// The reference stores index = #{i : mid[i] < y}, mid[i] = (code[i] + code[i+1]) * 0.5f, which is
+// an 8-step binary search per value. Here it is one table read and one comparison instead:
+//
+// Map y to an unsigned key that orders like the float (negative: all bits flipped; positive: sign
+// bit set). The top 16 bits of the key (sign, exponent, 7 mantissa bits) select a bucket, a
+// contiguous range of floats. If one midpoint falls inside the bucket, y lies above it exactly
+// when y's low 16 key bits exceed the midpoint's (`thr`; none: thr = 0xFFFF). The table holds
+//   entry = index_of_smallest_value * 65536 + (0xFFFF - thr)
+// so that (entry + low16(key)) >> 16 is the index: the sum carries into bit 16 exactly when
+// low16(key) > thr. Buckets at or beyond +-2 are clamped into two end buckets (scaled values never exceed 1
+// by more than one rounding, except infinities). For the dynamic and linear maps every bucket
+// holds at most one midpoint; q8_build_lookup refuses maps where that fails.
+
+Q8_HD uint32_t q8_key(float y) {
+    uint32_t u = q8_bits(y);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+Q8_HD uint32_t q8_bucket(uint32_t key) {
+    int hi = (int)(key >> 16);
+    hi = hi < kLookupLow ? kLookupLow : (hi > kLookupHigh ? kLookupHigh : hi);
+    return (uint32_t)(hi - kLookupLow);
+}
+
+// The code index of an already scaled value y (the reference sends NaN to 255).
+Q8_HD uint32_t q8_quantize_scaled(float y, const uint32_t* lookup) {
+    uint32_t key = q8_key(y);
+    uint32_t idx = (lookup[q8_bucket(key)] + (key & 0xFFFFu)) >> 16;
+    return y != y ? 255u : idx;
+}
+
+// The reference's per-block scale: 1/absmax, or 0 for an all-zero (or NaN) block.
+Q8_HD float q8_block_scale(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+
+// NaN-propagating running max of |x|, like torch.amax.
+Q8_HD float q8_absmax_step(float acc, float x) {
+    float a = fabsf(x);
+    if (acc != acc) return acc;
+    return (a != a || a > acc) ? a : acc;
+}
+
+Q8_HOST inline int q8_count_below(const float* mid, float v) {
+    int c = 0;
+    for (int i = 0; i < 255; ++i) c += mid[i] < v ? 1 : 0;
+    return c;
+}
+
+// Fill `lookup` (kLookupSize entries) for a sorted 256-entry map. Returns false when the map is
+// too dense for one comparison per bucket or has midpoints outside (-2, 2).
+Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
+    float mid[255];
+    for (int i = 0; i < 255; ++i) {
+        mid[i] = (code[i] + code[i + 1]) * 0.5f;
+        if (!(mid[i] > -2.0f && mid[i] < 2.0f)) return false;
+        if (i > 0 && mid[i] < mid[i - 1]) return false;
+    }
+    lookup[0] = 0;                               // index 0, no midpoint above
+    lookup[kLookupSize - 1] = 255u << 16;
+    for (int hi = kLookupLow + 1; hi < kLookupHigh; ++hi) {
+        uint32_t key_lo = (uint32_t)hi << 16, key_hi = key_lo | 0xFFFFu;
+        auto value = [](uint32_t key) {
+            return q8_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+        };
+        int lo = q8_count_below(mid, value(key_lo));
+        int top = q8_count_below(mid, value(key_hi));
+        uint32_t thr = 0xFFFFu;
+        if (top - lo > 1) return false;
+        if (top - lo == 1) {
+            float m = mid[lo] == 0.0f ? 0.0f : mid[lo];   // -0.0 compares like +0.0
+            uint32_t k = q8_key(m);
+            if ((int)(k >> 16) != hi) return false;
+            thr = k & 0xFFFFu;
+        }
+        lookup[hi - kLookupLow] = ((uint32_t)lo << 16) + (0xFFFFu - thr);
+    }
+    return true;
+}
+
+// ------------------------------------------------------------------ update rules
+// Hyperparameters arrive as Python floats (double) and are rounded to float32 once, as torch does
+// for a python scalar multiplying a float32 tensor.
+template <class Get>
+Q8_HOST float q8_hyper(Get& get, const char* name) { return (float)get(name); }
+
+Q8_HD float q8_sqrt(float x) { return sqrtf(x); }
+
+// torch.optim.Adam / AdamW (ds_q8.optim.adam._AdamBase._update_fp32), states: exp_avg, exp_avg_sq.
+template <bool kDecoupled>
+struct AdamRule {
+    static constexpr int kStates = 2;
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
+        inv_bias_correction2_sqrt;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit AdamRule(Get get)
+        : beta1(q8_hyper(get, "beta1")), one_minus_beta1(q8_hyper(get, "one_minus_beta1")),
+          beta2(q8_hyper(get, "beta2")), one_minus_beta2(q8_hyper(get, "one_minus_beta2")),
+          eps(q8_hyper(get, "eps")), weight_decay(q8_hyper(get, "weight_decay")),
+          decay_factor(q8_hyper(get, "decay_factor")), step_size(q8_hyper(get, "step_size")),
+          // the reference multiplies by 1 / bias_correction2_sqrt, divided in double then rounded
+          inv_bias_correction2_sqrt((float)(1.0 / get("bias_correction2_sqrt"))),
+          has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) {
+            if (kDecoupled) p = p * V(decay_factor);
+            else g = g + p * V(weight_decay);
+        }
+        V m = s[0] * V(beta1) + g * V(one_minus_beta1);
+        V v = s[1] * V(beta2) + (g * g) * V(one_minus_beta2);
+        V denom = q8_sqrt(v) * V(inv_bias_correction2_sqrt) + V(eps);
+        p = p - (m / denom) * V(step_size);
+        s[0] = m;
+        s[1] = v;
+    }
+};
+
+// torch.optim.SGD with momentum (ds_q8.optim.momentum.Momentum8bitBlock), state: momentum_buffer.
+struct MomentumRule {
+    static constexpr int kStates = 1;
+    float lr, momentum, one_minus_dampening, weight_decay;
+    bool has_weight_decay, nesterov, first_step;
+
+    template <class Get>
+    Q8_HOST explicit MomentumRule(Get get)
+        : lr(q8_hyper(get, "lr")), momentum(q8_hyper(get, "momentum")),
+          one_minus_dampening(q8_hyper(get, "one_minus_dampening")), weight_decay(q8_hyper(get, "weight_decay")),
+          has_weight_decay(get("weight_decay") != 0.0), nesterov(get("nesterov") != 0.0),
+          first_step(get("first_step") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) g = g + p * V(weight_decay);
+        V buf = first_step ? g : s[0] * V(momentum) + g * V(one_minus_dampening);
+        V d = nesterov ? g + buf * V(momentum) : buf;
+        p = p - d * V(lr);
+        s[0] = buf;
+    }
+};
+
+}  // namespace
+
+// Every rule the drivers know, by the name Python uses in `update_rule`.
+#define Q8_RULES(X)                 \
+    X("adam", AdamRule<false>)      \
+    X("adamw", AdamRule<true>)      \
+    X("momentum", MomentumRule)
+
+}  // namespace ds_q8

@@ -1,0 +1,38 @@
+"""What both ds_q8 builders add to DeepSpeed's OpBuilder.
+
+* Sources live in this package's ``csrc/``, not in DeepSpeed's tree, so every path is absolute.
+* DeepSpeed's ``load()`` imports a prebuilt module only when its own ``installed_ops`` lists it,
+  which never holds for an op built by another package. ``load()`` here imports the module that
+  ``setup.py`` prebuilt (``ds_q8._q8_cpu`` / ``ds_q8._q8_cuda``) first and JIT-compiles otherwise.
+"""
+import importlib
+import os
+
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+
+
+def csrc(*parts: str) -> str:
+    return os.path.join(CSRC, *parts)
+
+
+class PrebuiltFirstMixin:
+    """``load()``: the prebuilt extension if importable, else a JIT build (cached by torch)."""
+
+    def absolute_name(self):
+        return f"ds_q8.{self.name}"
+
+    def include_paths(self):
+        return [csrc("includes")]
+
+    def load(self, verbose=False):
+        cache = OpBuilder._loaded_ops
+        if self.name in cache:
+            return cache[self.name]
+        try:
+            module = importlib.import_module(self.absolute_name())
+        except ImportError:
+            module = self.jit_load(verbose)
+        cache[self.name] = module
+        return module

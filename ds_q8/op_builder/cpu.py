@@ -1,0 +1,32 @@
+"""Builder of the C++ CPU op: SIMD (AVX-512 / AVX2 / scalar, chosen at run time) + OpenMP."""
+import platform
+
+from deepspeed.ops.op_builder.builder import OpBuilder
+
+from .common import PrebuiltFirstMixin, csrc
+
+
+class Q8CPUBuilder(PrebuiltFirstMixin, OpBuilder):
+    NAME = "_q8_cpu"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def sources(self):
+        return [csrc("cpu", f) for f in ("q8_cpu.cpp", "isa_avx512.cpp", "isa_avx2.cpp", "isa_scalar.cpp")]
+
+    def cxx_args(self):
+        # No -march=native: each isa_*.cpp selects its own instruction set, and the binding picks
+        # the best one the running CPU supports, so a prebuilt module runs on any x86-64.
+        # -ffp-contract=off keeps a*b+c from becoming an FMA, which would change the bits.
+        return ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas"]
+
+    def extra_ldflags(self):
+        return ["-fopenmp"]
+
+    def is_compatible(self, verbose=False):
+        machine = platform.machine().lower()
+        if machine not in ("x86_64", "amd64"):
+            self.error_log = f"the CPU kernels need an x86-64 CPU, this is {machine}"
+            return False
+        return super().is_compatible(verbose)

@@ -1,0 +1,65 @@
+"""Builder of the CUDA op: fused block-wise 8-bit steps and (de)quantization kernels."""
+import os
+import shutil
+
+import torch
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+from .common import PrebuiltFirstMixin, csrc
+
+
+class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
+    NAME = "_q8_cuda"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def sources(self):
+        return [csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
+
+    def cxx_args(self):
+        return ["-O3"]
+
+    def nvcc_args(self):
+        # Not DeepSpeed's defaults: --use_fast_math (and nvcc's default FMA contraction) would
+        # change the bits of sqrt, division and a*b+c, and the kernels must match torch exactly.
+        threads = os.environ.get("DS_NVCC_THREADS", str(min(os.cpu_count() or 1, 8)))
+        return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}"
+                ] + self.compute_capability_args()
+
+    def is_compatible(self, verbose=False):
+        """Whether the op can be compiled here; ``error_log`` says why not."""
+        reason = None
+        if torch.version.cuda is None:
+            reason = f"torch {torch.__version__} is a CPU-only build"
+        else:
+            from torch.utils.cpp_extension import CUDA_HOME
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+            if nvcc is None or not (os.path.exists(nvcc) or shutil.which(nvcc)):
+                reason = "no CUDA toolkit found (set CUDA_HOME to a directory with bin/nvcc)"
+            elif not os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip() and not torch.cuda.is_available():
+                reason = "no GPU is visible to choose the architecture; set TORCH_CUDA_ARCH_LIST (e.g. 9.0)"
+        self.error_log = reason
+        if reason and verbose:
+            self.warning(f"{self.name} cannot be built: {reason}")
+        return reason is None
+
+    def jit_load(self, verbose=False):
+        # DeepSpeed's jit_load compiles a CPU-only module when no GPU is visible; CI compiles this
+        # op without a GPU, so compile for CUDA whenever is_compatible() allows it.
+        if not self.is_compatible(verbose):
+            raise RuntimeError(f"cannot build {self.name}: {self.error_log}")
+        from torch.utils.cpp_extension import load
+        saved_arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        self.jit_mode = True
+        try:
+            nvcc_args = self.nvcc_args()  # in JIT mode this sets TORCH_CUDA_ARCH_LIST for torch
+            return load(name=self.name, sources=self.sources(), extra_include_paths=self.include_paths(),
+                        extra_cflags=self.cxx_args(), extra_cuda_cflags=nvcc_args, with_cuda=True,
+                        verbose=verbose)
+        finally:
+            self.jit_mode = False
+            if saved_arch is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = saved_arch

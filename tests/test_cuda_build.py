@@ -1,0 +1,89 @@
+"""The CUDA op: it compiles without a GPU (so CI catches build errors), and on a GPU its steps and
+(de)quantization are bit-identical to the pure-PyTorch reference run on the same GPU."""
+import os
+
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8.op_builder import Q8CUDABuilder
+
+from test_kernels import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
+
+GPU = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+
+
+def test_nvcc_flags_keep_ieee_rounding(monkeypatch):
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0")
+    args = Q8CUDABuilder().nvcc_args()
+    assert "-fmad=false" in args and "--use_fast_math" not in args
+
+
+@pytest.mark.skipif(GPU, reason="a GPU is visible, so the architecture can be probed")
+def test_incompatible_without_gpu_or_arch_list_says_why(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    b = Q8CUDABuilder()
+    assert not b.is_compatible()
+    assert "TORCH_CUDA_ARCH_LIST" in b.error_log or "CPU-only" in b.error_log or "CUDA toolkit" in b.error_log
+
+
+def test_cuda_extension_compiles_and_imports(monkeypatch):
+    """A build error in the CUDA sources fails here, with or without a GPU."""
+    if not GPU:
+        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0")
+    b = Q8CUDABuilder()
+    if torch.version.cuda is None:
+        pytest.skip("torch is a CPU-only build")
+    assert b.is_compatible(), b.error_log
+    module = b.load()
+    assert set(module.rules()) == {"adam", "adamw", "momentum"}
+    lookup = module.build_lookup(F.create_dynamic_map(True))
+    assert lookup.dtype == torch.int32 and lookup.numel() == 0xC000 - 0x3FFF + 1
+
+
+@needs_gpu
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n,block_size", [(3 * 256 + 7, 256), (4096 * 2 + 33, 4096), (100, 64), (5000, 2048)])
+def test_cuda_step_bit_identical(rule, dtype, n, block_size):
+    cls, kw = RULES[rule]
+    kernel, reference = run_both(cls, kw, n, DTYPES[dtype], steps=4, block_size=block_size, device="cuda")
+    assert_same_run(kernel, reference)
+
+
+@needs_gpu
+def test_cuda_step_fp32_grads_and_offset_views():
+    kernel, reference = run_both(ds_q8.AdamW8bitBlock, {}, 3001, torch.bfloat16, steps=3, block_size=128,
+                                 grad_dtype=torch.float32, device="cuda")
+    assert_same_run(kernel, reference)
+
+
+@needs_gpu
+def test_cuda_matches_cpu_kernels():
+    """Same math on both devices: 10 AdamW steps give the same codes and params on CPU and GPU."""
+    n = 50_000
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(10)]
+    out = []
+    for device in ("cpu", "cuda"):
+        p = torch.nn.Parameter(p0.clone().to(device))
+        opt = ds_q8.AdamW8bitBlock([p], block_size=256)
+        for g in grads:
+            p.grad = g.to(device)
+            opt.step()
+        out.append((p.detach().cpu(), {k: v.cpu() for k, v in opt.state[p].items() if torch.is_tensor(v)}))
+    assert_same_bits(out[0][0], out[1][0], "param")
+    for key in out[0][1]:
+        assert_same_bits(out[0][1][key], out[1][1][key], key)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_cuda_quantize_dequantize_match_reference(dtype):
+    n, block_size = 4096 * 3 + 100, 2048
+    x = (torch.randn(n) * torch.logspace(-8, 3, n)).to(DTYPES[dtype]).cuda()
+    x[:block_size] = 0
+    assert_quantization_matches(x, F.create_dynamic_map(True), block_size)

@@ -1,0 +1,339 @@
+"""The compiled CPU kernels against the pure-PyTorch reference: identical bits, every path.
+
+The CPU op is JIT-compiled once per session (torch caches it under TORCH_EXTENSIONS_DIR).
+Every instruction set this CPU supports is exercised by forcing DS_Q8_CPU_ISA.
+"""
+import inspect
+import math
+import os
+import warnings
+
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8 import ops
+from ds_q8.op_builder import Q8CPUBuilder
+from ds_q8.optim.base import get_map
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    module = Q8CPUBuilder().load()
+    assert "scalar" in module.supported_isas()
+    return module
+
+
+def isas():
+    # evaluated at collection: build the op here too, so a build error fails loudly
+    return list(Q8CPUBuilder().load().supported_isas())
+
+
+ISAS = isas()
+
+RULES = {
+    "adam": (ds_q8.Adam8bitBlock, dict(lr=1e-2, weight_decay=1e-2)),
+    "adamw": (ds_q8.AdamW8bitBlock, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6)),
+    "momentum": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    "nesterov": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "dampening": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.8, dampening=0.3)),
+}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def bits(t):
+    return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[t.dtype])
+
+
+def assert_same_bits(a, b, what):
+    assert a.dtype == b.dtype, what
+    if a.is_floating_point():
+        same = (bits(a) == bits(b)) | (torch.isnan(a) & torch.isnan(b))
+        assert bool(same.all()), f"{what}: {int((~same).sum())} of {a.numel()} differ"
+    else:
+        assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} differ"
+
+
+def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization="dynamic", grads=None, seed=0,
+             device="cpu"):
+    """Same optimizer twice, once with kernels, once forced onto the reference; returns both."""
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen).to(device=device, dtype=dtype)
+    pk, pr = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    if grad_dtype is not None:
+        pk.grad_dtype = pr.grad_dtype = grad_dtype  # e.g. fp32 gradients of bf16 params
+    common = dict(block_size=block_size, min_8bit_size=0, quantization=quantization, **kw)
+    ok, orf = cls([pk], **common), cls([pr], **common)
+    for s in range(steps):
+        g = grads[s] if grads is not None else torch.randn(n, generator=gen) * 10.0 ** (s % 3 - 1)
+        if grads is None and n > block_size and s == 1:
+            g[block_size:2 * block_size] = 0  # a block whose state decays to (and stays at) zero
+        g = g.to(device=device, dtype=grad_dtype or dtype)
+        pk.grad, pr.grad = g.clone(), g.clone()
+        ok.step()
+        os.environ["DS_Q8_KERNELS"] = "0"
+        try:
+            orf.step()
+        finally:
+            del os.environ["DS_Q8_KERNELS"]
+    return (pk, ok), (pr, orf)
+
+
+def assert_same_run(kernel, reference):
+    (pk, ok), (pr, orf) = kernel, reference
+    assert_same_bits(pk.data, pr.data, "param")
+    sk, sr = ok.state[pk], orf.state[pr]
+    assert ok.is_8bit_state(sk)
+    assert sk.keys() == sr.keys()
+    for key in sk:
+        if torch.is_tensor(sk[key]):
+            assert_same_bits(sk[key], sr[key], key)
+        else:
+            assert sk[key] == sr[key], key
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    monkeypatch.setenv("DS_Q8_CPU_ISA", request.param)
+    return request.param
+
+
+# ---------------------------------------------------------------------------- fused step
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_step_bit_identical(isa, rule, dtype):
+    cls, kw = RULES[rule]
+    # 3 full blocks + a partial one of 7 elements (not a multiple of any vector width)
+    kernel, reference = run_both(cls, kw, 3 * 256 + 7, DTYPES[dtype], steps=4, block_size=256)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("n,block_size", [(64, 64), (65, 64), (5000, 2048), (4096 * 2 + 33, 4096), (1, 128)])
+def test_step_shapes_and_block_sizes(isa, n, block_size):
+    kernel, reference = run_both(ds_q8.AdamW8bitBlock, {}, n, torch.float32, steps=3, block_size=block_size)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_step_fp32_grads_for_low_precision_params(isa, dtype):
+    kernel, reference = run_both(ds_q8.Adam8bitBlock, {}, 1000, DTYPES[dtype], steps=3, block_size=128,
+                                 grad_dtype=torch.float32)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", ["adamw", "momentum"])
+def test_step_linear_map(isa, rule):
+    cls, kw = RULES[rule]
+    kernel, reference = run_both(cls, kw, 700, torch.float32, steps=3, block_size=128, quantization="linear")
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_step_extreme_gradients(isa):
+    """Tiny, huge, zero and subnormal gradients; an all-zero block; NaN and Inf in one block."""
+    n, bs = 6 * 64, 64
+    g = torch.randn(n)
+    g[0:64] = 0.0
+    g[64:128] *= 1e-30
+    g[128:192] = torch.tensor([1e-40, -1e-42, 3e38, -3e38] * 16)
+    g[192:256] *= 1e20
+    g[256] = float("nan")
+    g[257] = float("inf")
+    g[320:384] = -0.0
+    grads = [g, g * 0.5, torch.randn(n)]
+    for cls, kw in (RULES["adam"], RULES["momentum"]):
+        if "nonfinite" in inspect.signature(cls).parameters:
+            kw = {**kw, "nonfinite": "off"}  # let NaN/Inf reach the kernels instead of skipping the step
+        kernel, reference = run_both(cls, kw, n, torch.float32, steps=3, block_size=bs, grads=grads)
+        assert_same_run(kernel, reference)
+
+
+def test_step_is_the_kernel_path(monkeypatch, cpu_op):
+    """The optimizers really reach the compiled step (not the reference) for 8-bit CPU state."""
+    calls = []
+    real = ops._call
+
+    def spy(module, name, *args):
+        calls.append(name)
+        return real(module, name, *args)
+
+    monkeypatch.setattr(ops, "_call", spy)
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.AdamW8bitBlock([p])
+    p.grad = torch.randn(5000)
+    opt.step()
+    assert calls == ["step"]
+
+
+# ---------------------------------------------------------------------------- (de)quantization
+
+def special_values(code):
+    """Scaled values on, just below and just above every midpoint, plus zeros and extremes."""
+    mid = F.midpoints(code)
+    below = torch.nextafter(mid, torch.full_like(mid, -math.inf))
+    above = torch.nextafter(mid, torch.full_like(mid, math.inf))
+    extra = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-38, -1e-38, 0.9999999, -0.9999999])
+    return torch.cat([mid, below, above, code, extra]).clamp(-1, 1)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind,signed", [("dynamic", True), ("dynamic", False), ("linear", True), ("linear", False)])
+def test_lookup_exact_on_midpoints(cpu_op, isa, kind, signed):
+    code = get_map(kind, signed, "cpu")
+    y = special_values(code)
+    # blocks of 64 whose absmax is exactly 1, so the scaled value is the value itself
+    nb = (y.numel() + 62) // 63
+    body = torch.zeros(nb * 63)
+    body[: y.numel()] = y
+    x = torch.cat([torch.ones(nb, 1), body.view(nb, 63)], dim=1).view(-1)
+    codes, absmax = cpu_op.quantize(isa, x, code, cpu_op.build_lookup(code), 64)
+    expect = F.quantize_with_absmax(x, F.block_absmax(x, 64), code, 64)
+    assert torch.equal(absmax, torch.ones(nb))
+    assert_same_bits(codes, expect, "codes")
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n,block_size", [(4096 * 3 + 100, 2048), (64 * 5 + 1, 64), (3, 256)])
+def test_quantize_dequantize_match_reference(isa, dtype, n, block_size):
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * torch.logspace(-8, 3, n)).to(DTYPES[dtype])
+    x[:block_size] = 0  # an all-zero block
+    for signed in (True, False):
+        assert_quantization_matches(x if signed else x.abs(), F.create_dynamic_map(signed), block_size)
+
+
+def assert_quantization_matches(x, code, block_size):
+    """ops.(de)quantize_blockwise give the bits of ds_q8.functional's, for every output dtype."""
+    code = code.to(x.device)
+    codes, absmax = ops.quantize_blockwise(x, code, block_size)
+    ref_codes, ref_absmax = F.quantize_blockwise(x, code, block_size)
+    assert_same_bits(codes, ref_codes, "codes")
+    assert_same_bits(absmax, ref_absmax, "absmax")
+    for out_dtype in DTYPES.values():
+        got = ops.dequantize_blockwise(codes, absmax, code, block_size, out_dtype)
+        want = F.dequantize_blockwise(ref_codes, ref_absmax, code, block_size, out_dtype)
+        assert_same_bits(got, want, f"dequantized {out_dtype}")
+
+
+def test_quantize_rejects_bad_input(cpu_op):
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        ops.quantize_blockwise(torch.randn(10), block_size=1000)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ops.quantize_blockwise(torch.tensor([1.0, float("nan")]))
+    code = F.create_dynamic_map()
+    with pytest.raises(ValueError, match="absmax must be 2 float32"):
+        cpu_op.dequantize("scalar", torch.zeros(100, dtype=torch.uint8), torch.ones(3), code, 64, torch.float32)
+    with pytest.raises(ValueError, match="isa must be one"):
+        cpu_op.quantize("sse9", torch.randn(10), code, cpu_op.build_lookup(code), 64)
+    with pytest.raises(ValueError, match="code must be sorted"):
+        cpu_op.build_lookup(torch.linspace(1, -1, 256))
+
+
+def test_step_rejects_missing_hyperparameter(cpu_op):
+    p, g = torch.randn(64), torch.randn(64)
+    code = F.create_dynamic_map()
+    lookup = cpu_op.build_lookup(code)
+    with pytest.raises(ValueError, match="needs hyperparameter 'lr'"):
+        cpu_op.step("scalar", "momentum", p, g, [torch.zeros(64, dtype=torch.uint8)], [torch.zeros(1)], [code],
+                    [lookup], 64, {"momentum": 0.9})
+
+
+# ---------------------------------------------------------------------------- dispatch and fallback
+
+def test_unavailable_op_warns_once_and_uses_reference(monkeypatch):
+    class Broken:
+        def __init__(self):
+            self.error_log = "no compiler in this test"
+
+        def is_compatible(self, verbose=False):
+            return False
+
+    monkeypatch.setattr("ds_q8.op_builder.ALL_BUILDERS", {"cpu": Broken, "cuda": Broken})
+    monkeypatch.setattr(ops, "_modules", {})
+    monkeypatch.setattr(ops, "_warned", set())
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.AdamW8bitBlock([p])
+    with pytest.warns(RuntimeWarning, match=r"CPU kernels are unavailable \(no compiler in this test\)"):
+        for _ in range(3):
+            p.grad = torch.randn(5000)
+            opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        p.grad = torch.randn(5000)
+        opt.step()
+    assert opt.is_8bit_state(opt.state[p])
+
+
+def test_unknown_rule_falls_back_with_one_warning(cpu_op, monkeypatch):
+    class Renamed(ds_q8.Momentum8bitBlock):
+        update_rule = "not_a_kernel_rule"
+
+    monkeypatch.setattr(ops, "_warned", set())
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = Renamed([p])
+    with pytest.warns(RuntimeWarning, match="no fused kernel for update rule 'not_a_kernel_rule'"):
+        p.grad = torch.randn(5000)
+        opt.step()
+
+
+def test_map_without_lookup_table_falls_back(cpu_op, monkeypatch):
+    dense = torch.linspace(0.5, 0.51, 256)  # many midpoints per table bucket
+    monkeypatch.setattr(ds_q8.Momentum8bitBlock, "_maps", lambda self, group, device: [dense])
+    monkeypatch.setattr(ops, "_warned", set())
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.Momentum8bitBlock([p])
+    p.grad = torch.randn(5000)
+    with pytest.warns(RuntimeWarning, match="no fused kernel for this map"):
+        opt.step()
+
+
+def test_kernels_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("DS_Q8_KERNELS", "0")
+    assert not ops.kernels_enabled()
+    monkeypatch.setattr(ops, "load_op", lambda kind: pytest.fail("must not load an op"))
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.Adam8bitBlock([p])
+    p.grad = torch.randn(5000)
+    opt.step()
+
+
+def test_bad_isa_environment_is_an_error(monkeypatch, cpu_op):
+    monkeypatch.setenv("DS_Q8_CPU_ISA", "mmx")
+    with pytest.raises(ValueError, match="DS_Q8_CPU_ISA must be one of"):
+        ops.quantize_blockwise(torch.randn(100))
+
+
+# ---------------------------------------------------------------------------- builders
+
+def test_cpu_builder_follows_deepspeed_conventions(tmp_path):
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    b = Q8CPUBuilder()
+    assert isinstance(b, OpBuilder) and b.is_compatible()
+    assert b.absolute_name() == "ds_q8._q8_cpu"
+    assert all(os.path.isabs(s) and os.path.exists(s) for s in b.sources())
+    assert "-ffp-contract=off" in b.cxx_args() and "-fopenmp" in b.cxx_args()
+    ext = b.builder()  # what setup.py adds to ext_modules when DS_BUILD_Q8_CPU=1
+    assert ext.name == "ds_q8._q8_cpu" and ext.sources == b.sources()
+
+
+def test_load_prefers_a_prebuilt_module(monkeypatch):
+    import importlib
+    import types
+
+    from deepspeed.ops.op_builder.builder import OpBuilder
+
+    prebuilt = types.ModuleType("ds_q8._q8_cpu")
+    monkeypatch.delitem(OpBuilder._loaded_ops, "_q8_cpu", raising=False)
+    monkeypatch.setattr(importlib, "import_module",
+                        lambda name: prebuilt if name == "ds_q8._q8_cpu" else pytest.fail(name))
+    b = Q8CPUBuilder()
+    monkeypatch.setattr(b, "jit_load", lambda verbose=False: pytest.fail("must not JIT-compile"))
+    assert b.load() is prebuilt
