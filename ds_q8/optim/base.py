@@ -473,6 +473,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                         f"checkpoint absmax{i} has {got} entries; {p.numel()} elements with block_size={bs} "
                         f"need {F.num_blocks(p.numel(), bs)}"
                     )
+                if not bool((torch.isfinite(a) & (a >= 0)).all()):
+                    raise ValueError(f"checkpoint absmax{i} holds NaN, Inf or negative block maxima: "
+                                     "the checkpoint is corrupted")
             elif s.dtype != torch.float32:
                 raise ValueError(f"checkpoint state{i} has dtype {s.dtype}; expected uint8 or float32")
 
