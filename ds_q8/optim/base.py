@@ -47,6 +47,8 @@ def _is_number(x) -> bool:
 
 def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
     """Raise ValueError naming ``name`` unless ``value`` is a number in the stated interval."""
+    if hi == math.inf:  # no hyperparameter may be infinite: one inf lr or eps turns every update to NaN
+        hi_open = True
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
     interval = f"{left}{lo}, {hi}{right}"
