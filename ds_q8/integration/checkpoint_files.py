@@ -14,6 +14,8 @@ import zipfile
 from pathlib import Path
 from typing import List, Optional
 
+from . import engine_hooks
+
 _SHARD = re.compile(r"zero_pp_rank_(\d+)_")
 
 
@@ -78,9 +80,6 @@ def check_before_load(load_dir, tag, rank: int) -> None:
         raise CorruptCheckpointError(problem)
 
 
-_MARK = "_ds_q8_verified"
-
-
 def _shard_rank(engine) -> int:
     # ZeRO shard files are numbered by the rank within the data-parallel group, as DeepSpeed names them
     import torch.distributed as dist
@@ -91,21 +90,10 @@ def _shard_rank(engine) -> int:
     return int(getattr(engine, "global_rank", 0))
 
 
+def _check_engine_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
+    check_before_load(load_dir, tag, _shard_rank(engine))
+
+
 def install() -> bool:
-    """Wrap ``DeepSpeedEngine.load_checkpoint`` once; False when DeepSpeed is missing."""
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except ImportError:
-        return False
-    original = DeepSpeedEngine.load_checkpoint
-    if getattr(original, _MARK, False):
-        return True
-
-    def load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
-        check_before_load(load_dir, tag, _shard_rank(self))
-        return original(self, load_dir, tag, *args, **kwargs)
-
-    setattr(load_checkpoint, _MARK, True)
-    load_checkpoint.__wrapped__ = original
-    DeepSpeedEngine.load_checkpoint = load_checkpoint
-    return True
+    """Check before ``DeepSpeedEngine.load_checkpoint``; False when DeepSpeed is missing."""
+    return engine_hooks.run_before("load_checkpoint", _check_engine_load)
