@@ -4,7 +4,7 @@ DeepSpeed resolves an optimizer ``"type"`` it does not know as an attribute of `
 and ZeRO accepts only optimizer classes listed in ``ZERO_SUPPORTED_OPTIMIZERS``. Registering
 therefore means both: the class on ``torch.optim`` and the class in that list. It also installs
 the checks that refuse ZeRO settings which would corrupt 8-bit state (see
-``integration.engine_checks``). Everything happens on ``import ds_q8``, on every rank.
+``integration.engine_checks``) and damaged checkpoint files (``integration.checkpoint_files``). Everything happens on ``import ds_q8``, on every rank.
 """
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def register_with_deepspeed() -> bool:
     for cls in OPTIMIZERS.values():
         if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
             zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
-    from .integration import engine_checks
+    from .integration import checkpoint_files, engine_checks
 
     engine_checks.install()
+    checkpoint_files.install()
     return True

@@ -3,13 +3,19 @@
 DeepSpeed writes its ``latest`` file on rank 0 before the other ranks are known to have finished
 writing their optimizer shards. A run killed at that moment leaves a ``latest`` that points at a
 partial checkpoint, so resuming trusts a marker written only after every rank returned from
-``save_checkpoint`` instead.
+``save_checkpoint`` and flushed its files to disk instead.
+
+The marker lists every file of the checkpoint with its size. A power loss can still lose data the
+disk acknowledged late, and files can be damaged after the fact; a checkpoint whose files no
+longer match its marker is passed over (with a message) for the previous complete one.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -21,23 +27,85 @@ def tag_for(step: int) -> str:
     return f"step{step}"
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(folder: Path) -> dict:
+    return {str(f.relative_to(folder)): f.stat().st_size for f in sorted(folder.rglob("*"))
+            if f.is_file() and f.name != MARKER and not f.name.startswith(MARKER)}
+
+
+def flush(save_dir: str, step: int) -> None:
+    """Force the checkpoint's files and folder entries to disk; every rank calls it for what it wrote.
+
+    ``torch.save`` returns once the data is in the page cache; without this a machine crash after
+    the marker was written could leave the marker pointing at files that never reached the disk.
+    """
+    folder = Path(save_dir) / tag_for(step)
+    for f in folder.rglob("*"):
+        if f.is_file() and f.name != MARKER:
+            _fsync(f)
+    for d in [p for p in folder.rglob("*") if p.is_dir()] + [folder, Path(save_dir)]:
+        _fsync(d)
+
+
 def mark_complete(save_dir: str, step: int, info: dict) -> None:
-    (Path(save_dir) / tag_for(step) / MARKER).write_text(json.dumps(dict(info, step=step)) + "\n")
+    """Write the marker last and atomically: a crash leaves either no marker or a whole one."""
+    folder = Path(save_dir) / tag_for(step)
+    tmp = folder / (MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(dict(info, step=step, files=_files(folder))) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MARKER)
+    _fsync(folder)
 
 
-def latest_complete(save_dir: str) -> Optional[Tuple[str, int]]:
-    """(tag, step) of the newest checkpoint every rank finished writing, or None."""
-    best = None
+def check_complete(folder: Path) -> Optional[str]:
+    """None when ``folder`` has a marker and every file it lists has the listed size; else why not."""
+    try:
+        info = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        return "no completion marker (a rank never finished writing it)"
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"unreadable {MARKER}: {e}"
+    files = info.get("files")
+    if not isinstance(files, dict) or not files:
+        return f"{MARKER} lists no files"
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, the marker says {size}"
+    return None
+
+
+def latest_complete(save_dir: str, report=None) -> Optional[Tuple[str, int]]:
+    """(tag, step) of the newest checkpoint every rank finished writing and that is still whole, or None.
+
+    Newer checkpoint folders that fail the check are reported through ``report`` (default: stderr).
+    """
     root = Path(save_dir)
     if not root.is_dir():
         return None
-    for d in root.iterdir():
-        m = _TAG.match(d.name)
-        if m and (d / MARKER).is_file():
-            step = int(m.group(1))
-            if best is None or step > best[1]:
-                best = (d.name, step)
-    return best
+    found = sorted(((int(m.group(1)), d) for d in root.iterdir() if d.is_dir() and (m := _TAG.match(d.name))),
+                   reverse=True)
+    for step, d in found:
+        problem = check_complete(d)
+        if problem is None:
+            return d.name, step
+        (report or _warn)(f"skipping checkpoint {d}: {problem}")
+    return None
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def has_checkpoints(save_dir: str) -> bool:

@@ -7,8 +7,12 @@
 """
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+
+#: seconds a collective waits for the other ranks; see ``--dist_timeout`` in train_gpt.py
+DEFAULT_TIMEOUT_S = 600
 
 _MPI_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
@@ -23,7 +27,7 @@ def launched_by_mpi() -> bool:
     return "RANK" not in os.environ and any(v in os.environ for v in _MPI_RANK_VARS)
 
 
-def init(master_port: int = None) -> None:
+def init(master_port: int = None, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     import deepspeed
 
     if "RANK" not in os.environ and not launched_by_mpi():
@@ -31,7 +35,16 @@ def init(master_port: int = None) -> None:
                           MASTER_PORT=str(master_port or _free_port()))
     # MPI discovery overwrites MASTER_PORT with this port; keep one a launcher exported
     port = master_port or int(os.environ.get("MASTER_PORT", 29500))
-    deepspeed.init_distributed(distributed_port=port)
+    # gloo applies the process group's timeout to every collective: a rank that died or hangs
+    # makes the others fail after timeout_s instead of waiting forever
+    deepspeed.init_distributed(distributed_port=port, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def shutdown() -> None:

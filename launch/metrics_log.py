@@ -10,7 +10,16 @@ def read_metrics(path) -> list:
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise
+            # a process killed while appending leaves at most its last line cut short
+    return rows
 
 
 class MetricsLog:

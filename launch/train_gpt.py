@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 import checkpointing
 import dist_setup
+import faults
 import gpt_data
 import gpt_models
 from metrics_log import MetricsLog
@@ -83,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     ap.add_argument("--master_port", type=positive_int, default=None, help="rendezvous port (one rank / MPI)")
+    ap.add_argument("--dist_timeout", type=positive_int, default=dist_setup.DEFAULT_TIMEOUT_S,
+                    help="seconds a rank waits in a collective for the others before failing (a dead or hung "
+                         "rank then ends the job instead of stalling it); must outlast the slowest checkpoint write")
     ap.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     args = ap.parse_args(argv)
     if not 0.0 <= args.dropout < 1.0:
@@ -175,7 +179,7 @@ def main(argv=None) -> dict:
     import ds_q8  # registers Adam8bitBlock & co. as DeepSpeed optimizer types
     from tqdm import tqdm
 
-    dist_setup.init(args.master_port)
+    dist_setup.init(args.master_port, args.dist_timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     # ---- data
@@ -200,7 +204,7 @@ def main(argv=None) -> dict:
     # ---- resume or start fresh
     start_step = 0
     if args.resume:
-        found = checkpointing.latest_complete(args.save_dir)
+        found = checkpointing.latest_complete(args.save_dir, report=None if rank == 0 else (lambda _: None))
         if found is not None:
             tag, _ = found
             _, client = engine.load_checkpoint(args.save_dir, tag=tag)
@@ -238,6 +242,7 @@ def main(argv=None) -> dict:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item()
+        faults.at("step", step + 1, rank)
         (loss_sum,) = all_reduce_sum([loss_sum / gas], device)
         dt = time.perf_counter() - t0
         step_times.append(dt)
@@ -253,9 +258,13 @@ def main(argv=None) -> dict:
             if "eval_loss" in record:
                 bar.write(f"step {done}: eval loss {eval_loss:.4f} (ppl {record['eval_ppl']:.2f})")
         if last or done == end_step or (args.save_interval and done % args.save_interval == 0):
+            faults.arm_mid_save(engine, done, rank)
             engine.save_checkpoint(args.save_dir, tag=checkpointing.tag_for(done),
                                    client_state=dict(step=done, seed=args.seed))
-            if rank == 0:  # save_checkpoint returned on every rank: the checkpoint is whole
+            checkpointing.flush(args.save_dir, done)
+            faults.at("save", done, rank)
+            dist_setup.barrier()  # every rank's files are on disk before the marker says so
+            if rank == 0:
                 checkpointing.mark_complete(args.save_dir, done, dict(seed=args.seed, world_size=world))
     bar.close()
     if eval_loss is None:  # resumed from the final checkpoint: nothing trained, still report

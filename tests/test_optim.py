@@ -276,11 +276,11 @@ def test_load_dequantized_state_roundtrip():
 
 
 BAD_ARGS = [
-    (ds_q8.Adam8bitBlock, dict(lr=-1.0), r"lr must be in \[0.0, inf\]"),
+    (ds_q8.Adam8bitBlock, dict(lr=-1.0), r"lr must be in \[0.0, inf\)"),
     (ds_q8.Adam8bitBlock, dict(betas=(1.0, 0.999)), r"betas\[0\] must be in \[0.0, 1.0\)"),
     (ds_q8.Adam8bitBlock, dict(betas=(0.9, -0.1)), r"betas\[1\] must be in \[0.0, 1.0\)"),
     (ds_q8.Adam8bitBlock, dict(betas=0.9), "betas must be a pair"),
-    (ds_q8.Adam8bitBlock, dict(eps=-1e-8), r"eps must be in \[0.0, inf\]"),
+    (ds_q8.Adam8bitBlock, dict(eps=-1e-8), r"eps must be in \[0.0, inf\)"),
     (ds_q8.AdamW8bitBlock, dict(weight_decay=-0.1), "weight_decay must be in"),
     (ds_q8.Adam8bitBlock, dict(block_size=1000), r"block_size must be a power of two in \[64, 4096\] or None .*got 1000"),
     (ds_q8.Adam8bitBlock, dict(block_size=8192), "block_size must be a power of two"),

@@ -118,6 +118,7 @@ def test_bad_data_is_reported(tmp_path):
 def test_resume_ignores_checkpoints_without_the_completion_marker(tmp_path):
     for step in (4, 8, 12):
         (tmp_path / checkpointing.tag_for(step)).mkdir()
+        (tmp_path / checkpointing.tag_for(step) / "model.pt").write_bytes(b"x" * step)
     checkpointing.mark_complete(str(tmp_path), 4, {})
     checkpointing.mark_complete(str(tmp_path), 8, {})
     assert checkpointing.latest_complete(str(tmp_path)) == ("step8", 8)

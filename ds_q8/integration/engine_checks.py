@@ -12,7 +12,7 @@ allocated, and only when the optimizer being wrapped is a ds_q8 one.
 """
 from __future__ import annotations
 
-_MARK = "_ds_q8_checked"
+from . import engine_hooks
 
 
 class UnsupportedZeroConfig(ValueError):
@@ -43,20 +43,5 @@ def check_zero_config(engine, optimizer) -> None:
 
 
 def install() -> bool:
-    """Wrap ``DeepSpeedEngine._configure_zero_optimizer`` once; False when DeepSpeed is missing."""
-    try:
-        from deepspeed.runtime.engine import DeepSpeedEngine
-    except ImportError:
-        return False
-    original = DeepSpeedEngine._configure_zero_optimizer
-    if getattr(original, _MARK, False):
-        return True
-
-    def _configure_zero_optimizer(self, optimizer):
-        check_zero_config(self, optimizer)
-        return original(self, optimizer)
-
-    setattr(_configure_zero_optimizer, _MARK, True)
-    _configure_zero_optimizer.__wrapped__ = original
-    DeepSpeedEngine._configure_zero_optimizer = _configure_zero_optimizer
-    return True
+    """Check before ``DeepSpeedEngine._configure_zero_optimizer``; False when DeepSpeed is missing."""
+    return engine_hooks.run_before("_configure_zero_optimizer", check_zero_config)

@@ -51,6 +51,8 @@ def _is_number(x) -> bool:
 
 def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
     """Raise ValueError naming ``name`` unless ``value`` is a number in the stated interval."""
+    if hi == math.inf:  # no hyperparameter may be infinite: one inf lr or eps turns every update to NaN
+        hi_open = True
     left = "(" if lo_open else "["
     right = ")" if hi_open else "]"
     interval = f"{left}{lo}, {hi}{right}"
@@ -572,6 +574,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                         f"checkpoint absmax{i} has {got} entries; {p.numel()} elements with block_size={bs} "
                         f"need {F.num_blocks(p.numel(), bs)}"
                     )
+                if not bool((torch.isfinite(a) & (a >= 0)).all()):
+                    raise ValueError(f"checkpoint absmax{i} holds NaN, Inf or negative block maxima: "
+                                     "the checkpoint is corrupted")
             elif s.dtype != torch.float32:
                 raise ValueError(f"checkpoint state{i} has dtype {s.dtype}; expected uint8 or float32")
 

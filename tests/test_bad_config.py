@@ -1,0 +1,75 @@
+"""Every invalid hyperparameter of every registered optimizer, as a constructor argument or as a
+DeepSpeed ``"optimizer": {"params": ...}`` entry, is refused with an error naming the field and
+what is valid. An optimizer added to the registry fails ``test_every_field_has_cases`` until its
+fields have cases here.
+"""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ds_q8
+from ds_q8.integration.params import constructor_keys
+
+NAN, INF = float("nan"), math.inf
+# field -> [(invalid value, text the error must contain)]
+INVALID = {
+    "lr": [(-1e-3, "lr must be in [0.0, inf)"), (INF, "lr must be in [0.0, inf)"), (NAN, "lr must be a number"),
+           ("0.1", "lr must be a number"), (True, "lr must be a number")],
+    "betas": [((0.9,), "betas must be a pair"), (0.9, "betas must be a pair"), ((1.0, 0.999), "betas[0] must be in [0.0, 1.0)"),
+              ((0.9, -0.1), "betas[1] must be in [0.0, 1.0)"), ((0.9, NAN), "betas[1] must be a number")],
+    "eps": [(-1e-8, "eps must be in [0.0, inf)"), (INF, "eps must be in [0.0, inf)"), (NAN, "eps must be a number")],
+    "weight_decay": [(-0.1, "weight_decay must be in [0.0, inf)"), (INF, "weight_decay must be in [0.0, inf)")],
+    "amsgrad": [(True, "amsgrad=True is not supported")],
+    "block_size": [(100, "block_size must be a power of two in [64, 4096]"), (32, "[64, 4096]"), (8192, "[64, 4096]"),
+                   (256.0, "block_size"), (True, "block_size")],
+    "min_8bit_size": [(-1, "min_8bit_size must be an integer >= 0"), (1.5, "min_8bit_size"), (True, "min_8bit_size")],
+    "optim_bits": [(16, "optim_bits must be 8 or 32"), (True, "optim_bits must be 8 or 32")],
+    "quantization": [("log", "quantization must be one of ('dynamic', 'linear')")],
+    "nonfinite": [("ignore", "nonfinite must be one of ('skip', 'raise', 'off')")],
+    "momentum": [(0.0, "momentum must be in (0.0, 1.0]"), (1.5, "momentum must be in (0.0, 1.0]"),
+                 (NAN, "momentum must be a number")],
+    "dampening": [(-0.1, "dampening must be in [0.0, 1.0]"), (2.0, "dampening must be in [0.0, 1.0]")],
+    "nesterov": [(1, "nesterov must be True or False")],
+}
+CASES = [(name, field, value, text) for name, cls in sorted(ds_q8.OPTIMIZERS.items())
+         for field in constructor_keys(cls) for value, text in INVALID.get(field, [])]
+
+
+def params():
+    return [nn.Parameter(torch.zeros(8))]
+
+
+def test_every_field_has_cases():
+    for name, cls in ds_q8.OPTIMIZERS.items():
+        missing = [k for k in constructor_keys(cls) if k not in INVALID]
+        assert not missing, f"{name}: no invalid-value cases for {missing}"
+
+
+@pytest.mark.parametrize("name, field, value, text", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]!r}" for c in CASES])
+def test_invalid_value_names_field_and_range(name, field, value, text):
+    with pytest.raises(ValueError) as e:
+        ds_q8.OPTIMIZERS[name](params(), **{field: value})
+    assert text in str(e.value)
+    assert field.split("[")[0] in str(e.value)
+
+
+@pytest.mark.parametrize("name", sorted(ds_q8.OPTIMIZERS))
+def test_invalid_value_in_a_later_param_group_is_refused_and_not_kept(name):
+    opt = ds_q8.OPTIMIZERS[name](params(), lr=1e-3)
+    with pytest.raises(ValueError, match=r"lr must be in \[0.0, inf\)"):
+        opt.add_param_group({"params": params(), "lr": INF})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("name", sorted(ds_q8.OPTIMIZERS))
+def test_deepspeed_params_entries(name):
+    # what DeepSpeed does with a JSON "params" section: cls(model_parameters, **params)
+    cls = getattr(torch.optim, name)
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['lr_max'\].*valid keys: lr,"):
+        cls(params(), **{"lr": 1e-3, "lr_max": 1.0})
+    with pytest.raises(ValueError, match=r"\['lr'\] are \"auto\""):
+        cls(params(), **{"lr": "auto"})
+    with pytest.raises(ValueError, match=r"block_size must be a power of two in \[64, 4096\], got 1000"):
+        cls(params(), **{"lr": 1e-3, "block_size": 1000})
