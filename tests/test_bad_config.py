@@ -28,8 +28,15 @@ INVALID = {
     "optim_bits": [(16, "optim_bits must be 8 or 32"), (True, "optim_bits must be 8 or 32")],
     "quantization": [("log", "quantization must be one of ('dynamic', 'linear')")],
     "nonfinite": [("ignore", "nonfinite must be one of ('skip', 'raise', 'off')")],
-    "momentum": [(0.0, "momentum must be in (0.0, 1.0]"), (1.5, "momentum must be in (0.0, 1.0]"),
-                 (NAN, "momentum must be a number")],
+    # the valid momentum range depends on the optimizer: (0, 1] for SGD, [0, 1) for RMSprop, (0, 1) for LARS
+    "momentum": [(-0.5, "momentum must be in "), (1.5, "momentum must be in "), (NAN, "momentum must be a number")],
+    "alpha": [(-0.1, "alpha must be in [0.0, 1.0]"), (1.5, "alpha must be in [0.0, 1.0]"), (NAN, "alpha must be a number")],
+    "centered": [(True, "centered=True is not supported")],
+    "lr_decay": [(-1.0, "lr_decay must be in [0.0, inf)"), (INF, "lr_decay must be in [0.0, inf)")],
+    "initial_accumulator_value": [(-1.0, "initial_accumulator_value must be in [0.0, inf)"),
+                                  (NAN, "initial_accumulator_value must be a number")],
+    "trust_coefficient": [(0.0, "trust_coefficient must be in (0.0, inf)"), (-1.0, "trust_coefficient must be in (0.0, inf)"),
+                          (INF, "trust_coefficient must be in (0.0, inf)")],
     "dampening": [(-0.1, "dampening must be in [0.0, 1.0]"), (2.0, "dampening must be in [0.0, 1.0]")],
     "nesterov": [(1, "nesterov must be True or False")],
 }
@@ -71,5 +78,5 @@ def test_deepspeed_params_entries(name):
         cls(params(), **{"lr": 1e-3, "lr_max": 1.0})
     with pytest.raises(ValueError, match=r"\['lr'\] are \"auto\""):
         cls(params(), **{"lr": "auto"})
-    with pytest.raises(ValueError, match=r"block_size must be a power of two in \[64, 4096\], got 1000"):
+    with pytest.raises(ValueError, match=r"block_size must be a power of two in \[64, 4096\].*got 1000"):
         cls(params(), **{"lr": 1e-3, "block_size": 1000})
