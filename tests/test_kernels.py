@@ -195,6 +195,32 @@ def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     assert calls == ["step"]
 
 
+# ---------------------------------------------------------------------------- non-finite check
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_all_finite_matches_torch(cpu_op, dtype):
+    """The compiled check of the nonfinite="skip" policy agrees with torch.isfinite(...).all()."""
+    dt = DTYPES[dtype]
+    big = torch.finfo(dt).max
+    clean = [torch.randn(n).to(dt) for n in (1, 65536, 65536 * 3 + 17)]
+    clean[2][:5] = torch.tensor([big, -big, 0.0, -0.0, torch.finfo(dt).tiny / 4])
+    assert ops.cpu_all_finite(clean) is True
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for t, where in ((0, 0), (1, 65535), (2, 65536), (2, 65536 * 3 + 16)):
+            bad = [c.clone() for c in clean]
+            bad[t][where] = value
+            assert ops.cpu_all_finite(bad) is False, (value, t, where)
+            assert not all(bool(torch.isfinite(b).all()) for b in bad)
+
+
+def test_all_finite_leaves_other_tensors_to_torch(cpu_op, monkeypatch):
+    assert ops.cpu_all_finite([]) is None
+    assert ops.cpu_all_finite([torch.randn(8, 8).t()]) is None  # not contiguous
+    assert ops.cpu_all_finite([torch.randn(8, dtype=torch.float64)]) is None
+    monkeypatch.setenv("DS_Q8_KERNELS", "0")
+    assert ops.cpu_all_finite([torch.randn(8)]) is None
+
+
 # ---------------------------------------------------------------------------- (de)quantization
 
 def special_values(code):
