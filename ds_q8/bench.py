@@ -60,13 +60,15 @@ def optimizer_rows(n: int, device: str, with_reference: bool) -> List[dict]:
         except Exception as exc:  # an optional peer that is missing or cannot build
             print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
 
-    def ds_q8_kernel():
+    def ds_q8_kernel(nonfinite):
         kind = "cuda" if device.startswith("cuda") else "cpu"
         if ops.load_op(kind) is None:
             raise RuntimeError(f"the {kind} op is unavailable")
-        return ds_q8.AdamW8bitBlock([_param(n, device, 0)], lr=LR, weight_decay=WD).step
+        return ds_q8.AdamW8bitBlock([_param(n, device, 0)], lr=LR, weight_decay=WD, nonfinite=nonfinite).step
 
-    add("ds_q8 AdamW8bitBlock (kernel)", BYTES_8BIT, ds_q8_kernel)
+    add("ds_q8 AdamW8bitBlock (kernel)", BYTES_8BIT, lambda: ds_q8_kernel("skip"))
+    # the default non-finite check is one extra read of the gradients; this row shows its cost
+    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
     if with_reference:
         add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
             lambda: _reference_step(ds_q8.AdamW8bitBlock([_param(n, device, 1)], lr=LR, weight_decay=WD)))

@@ -119,6 +119,21 @@ def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
     return True
 
 
+def cpu_all_finite(tensors) -> Optional[bool]:
+    """Whether CPU tensors hold only finite values, in one compiled read; None where it does not apply.
+
+    None (the caller then asks torch) for an empty list, kernels switched off or unavailable, or
+    any tensor that is not a contiguous float32/float16/bfloat16 CPU tensor.
+    """
+    tensors = list(tensors)
+    if not tensors or not kernels_enabled():
+        return None
+    if any(t.device.type != "cpu" or t.dtype not in _SUPPORTED or not t.is_contiguous() for t in tensors):
+        return None
+    check = getattr(load_op("cpu"), "all_finite", None)  # None also for a module built before it existed
+    return None if check is None else bool(check(tensors))
+
+
 def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: int = F.DEFAULT_BLOCK_SIZE):
     """:func:`ds_q8.functional.quantize_blockwise` in a compiled kernel (same checks, same codes)."""
     F.check_block_size(block_size)
@@ -149,4 +164,4 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Option
     return out.view(codes.shape)
 
 
-__all__ = ["fused_step", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]
+__all__ = ["fused_step", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]

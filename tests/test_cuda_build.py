@@ -38,7 +38,8 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
         pytest.skip("torch is a CPU-only build")
     assert b.is_compatible(), b.error_log
     module = b.load()
-    assert set(module.rules()) == {"adam", "adamw", "momentum"}
+    assert set(module.rules()) == {"adam", "adamw", "momentum", "rmsprop", "rmsprop_momentum", "adagrad", "lamb",
+                                   "lars", "lion"}
     lookup = module.build_lookup(F.create_dynamic_map(True))
     assert lookup.dtype == torch.int32 and lookup.numel() == 0xC000 - 0x3FFF + 1
 

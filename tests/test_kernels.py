@@ -38,6 +38,14 @@ RULES = {
     "momentum": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
     "nesterov": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, nesterov=True)),
     "dampening": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.8, dampening=0.3)),
+    "rmsprop": (ds_q8.RMSprop8bitBlock, dict(lr=1e-2, weight_decay=1e-3)),
+    "rmsprop_momentum": (ds_q8.RMSprop8bitBlock, dict(lr=1e-2, alpha=0.9, momentum=0.9)),
+    "adagrad": (ds_q8.Adagrad8bitBlock, dict(lr=1e-2, lr_decay=1e-2, weight_decay=1e-3,
+                                             initial_accumulator_value=0.1)),
+    "lamb": (ds_q8.LAMB8bitBlock, dict(lr=1e-2, weight_decay=1e-2)),
+    "lamb_no_decay": (ds_q8.LAMB8bitBlock, dict(lr=1e-2, betas=(0.8, 0.99))),
+    "lars": (ds_q8.LARS8bitBlock, dict(lr=1e-1, momentum=0.9, weight_decay=1e-4)),
+    "lion": (ds_q8.Lion8bitBlock, dict(lr=1e-3, weight_decay=1e-2)),
 }
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -127,7 +135,7 @@ def test_step_fp32_grads_for_low_precision_params(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("rule", ["adamw", "momentum"])
+@pytest.mark.parametrize("rule", ["adamw", "momentum", "rmsprop_momentum", "lion"])
 def test_step_linear_map(isa, rule):
     cls, kw = RULES[rule]
     kernel, reference = run_both(cls, kw, 700, torch.float32, steps=3, block_size=128, quantization="linear")
@@ -154,7 +162,22 @@ def test_step_extreme_gradients(isa):
         assert_same_run(kernel, reference)
 
 
-def test_step_is_the_kernel_path(monkeypatch, cpu_op):
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_lion_sign_of_zero(isa):
+    """Lion's sign treats +0 and -0 (and tiny values whose interpolation underflows) as torch.sign does."""
+    n, bs = 4 * 64, 64
+    g = torch.randn(n)
+    g[0:64] = 0.0
+    g[64:128] = -0.0
+    g[128:192] = torch.tensor([1e-45, -1e-45, 0.0, -0.0] * 16)
+    grads = [g, -g, torch.where(torch.arange(n) % 2 == 0, -0.0, 0.0), g]
+    kernel, reference = run_both(ds_q8.Lion8bitBlock, dict(lr=1e-3), n, torch.float32, steps=4, block_size=bs,
+                                 grads=grads)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     """The optimizers really reach the compiled step (not the reference) for 8-bit CPU state."""
     calls = []
     real = ops._call
@@ -164,11 +187,38 @@ def test_step_is_the_kernel_path(monkeypatch, cpu_op):
         return real(module, name, *args)
 
     monkeypatch.setattr(ops, "_call", spy)
+    cls, kw = RULES[rule]
     p = torch.nn.Parameter(torch.randn(5000))
-    opt = ds_q8.AdamW8bitBlock([p])
+    opt = cls([p], **kw)
     p.grad = torch.randn(5000)
     opt.step()
     assert calls == ["step"]
+
+
+# ---------------------------------------------------------------------------- non-finite check
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_all_finite_matches_torch(cpu_op, dtype):
+    """The compiled check of the nonfinite="skip" policy agrees with torch.isfinite(...).all()."""
+    dt = DTYPES[dtype]
+    big = torch.finfo(dt).max
+    clean = [torch.randn(n).to(dt) for n in (1, 65536, 65536 * 3 + 17)]
+    clean[2][:5] = torch.tensor([big, -big, 0.0, -0.0, torch.finfo(dt).tiny / 4])
+    assert ops.cpu_all_finite(clean) is True
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for t, where in ((0, 0), (1, 65535), (2, 65536), (2, 65536 * 3 + 16)):
+            bad = [c.clone() for c in clean]
+            bad[t][where] = value
+            assert ops.cpu_all_finite(bad) is False, (value, t, where)
+            assert not all(bool(torch.isfinite(b).all()) for b in bad)
+
+
+def test_all_finite_leaves_other_tensors_to_torch(cpu_op, monkeypatch):
+    assert ops.cpu_all_finite([]) is None
+    assert ops.cpu_all_finite([torch.randn(8, 8).t()]) is None  # not contiguous
+    assert ops.cpu_all_finite([torch.randn(8, dtype=torch.float64)]) is None
+    monkeypatch.setenv("DS_Q8_KERNELS", "0")
+    assert ops.cpu_all_finite([torch.randn(8)]) is None
 
 
 # ---------------------------------------------------------------------------- (de)quantization

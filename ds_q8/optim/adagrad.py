@@ -7,6 +7,7 @@ from typing import Dict, List
 import torch
 
 from .base import Optimizer8bitBlock, check_range, get_map
+from .mathops import sqrt_rn
 
 
 class Adagrad8bitBlock(Optimizer8bitBlock):
@@ -54,5 +55,5 @@ class Adagrad8bitBlock(Optimizer8bitBlock):
         if h["weight_decay"] != 0.0:
             g = g + p * h["weight_decay"]
         s.add_(g * g)
-        std = s.sqrt().add_(h["eps"])
+        std = sqrt_rn(s).add_(h["eps"])
         p.sub_((g / std) * h["clr"])

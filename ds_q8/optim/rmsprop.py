@@ -7,6 +7,7 @@ from typing import Dict, List
 import torch
 
 from .base import Optimizer8bitBlock, check_range
+from .mathops import sqrt_rn
 
 
 class RMSprop8bitBlock(Optimizer8bitBlock):
@@ -66,7 +67,7 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
         if h["weight_decay"] != 0.0:
             g = g + p * h["weight_decay"]
         sq.mul_(h["alpha"]).add_((g * g) * h["one_minus_alpha"])
-        avg = sq.sqrt().add_(h["eps"])
+        avg = sqrt_rn(sq).add_(h["eps"])
         d = g / avg
         if len(states) == 2:
             buf = states[1]

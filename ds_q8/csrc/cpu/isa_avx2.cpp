@@ -26,6 +26,12 @@ inline V256 operator-(V256 a, V256 b) { return _mm256_sub_ps(a.v, b.v); }
 inline V256 operator*(V256 a, V256 b) { return _mm256_mul_ps(a.v, b.v); }
 inline V256 operator/(V256 a, V256 b) { return _mm256_div_ps(a.v, b.v); }
 inline V256 q8_sqrt(V256 a) { return _mm256_sqrt_ps(a.v); }
+inline V256 q8_sign(V256 a) {  // torch.sign: +0 for +-0 and NaN (ordered compares are false)
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    __m256 pos = _mm256_and_ps(_mm256_cmp_ps(zero, a.v, _CMP_LT_OQ), one);
+    __m256 neg = _mm256_and_ps(_mm256_cmp_ps(a.v, zero, _CMP_LT_OQ), one);
+    return _mm256_sub_ps(pos, neg);
+}
 
 struct Avx2 : PerVectorBlocks<Avx2> {
     static constexpr int W = 8;

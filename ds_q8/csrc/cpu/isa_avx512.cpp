@@ -27,6 +27,12 @@ inline V512 operator-(V512 a, V512 b) { return _mm512_sub_ps(a.v, b.v); }
 inline V512 operator*(V512 a, V512 b) { return _mm512_mul_ps(a.v, b.v); }
 inline V512 operator/(V512 a, V512 b) { return _mm512_div_ps(a.v, b.v); }
 inline V512 q8_sqrt(V512 a) { return _mm512_sqrt_ps(a.v); }
+inline V512 q8_sign(V512 a) {  // torch.sign: +0 for +-0 and NaN (ordered compares are false)
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
+    __m512 pos = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(zero, a.v, _CMP_LT_OQ), one);
+    __m512 neg = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, zero, _CMP_LT_OQ), one);
+    return _mm512_sub_ps(pos, neg);
+}
 
 struct Avx512 {
     static constexpr int W = 16;

@@ -7,7 +7,7 @@
 // file's instruction set and could be merged by the linker into the baseline path.
 // Traits:
 //   static constexpr int W;                    lanes per vector
-//   using V;                                   float vector: + - * /, V(float), q8_sqrt(V)
+//   using V;                                   float vector: + - * /, V(float), q8_sqrt(V), q8_sign(V)
 //   template <class T> V load(const T*, int cnt)          lanes >= cnt read as 0
 //   template <class T> void store(T*, V, int cnt)         only lanes < cnt are written
 //   V load_tmp(const float*) / void store_tmp(float*, V)  full vectors, scratch buffer

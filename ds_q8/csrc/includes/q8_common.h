@@ -7,7 +7,7 @@
 // -fmad=false) and without fast-math.
 //
 // ---------------------------------------------------------------------------------------------
-// Adding an optimizer (e.g. RMSprop, Adagrad, Lion; LAMB/LARS need a per-tensor norm first)
+// Adding an optimizer (whole-tensor rules such as LAMB/LARS get their norms as step scalars)
 // ---------------------------------------------------------------------------------------------
 // 1. Write a rule struct below:
 //      struct MyRule {
@@ -20,7 +20,7 @@
 //    operator() receives the parameter and gradient as float32 and the states dequantized to
 //    float32, and updates p and s[0..kStates) in place. V is `float` on CUDA and in the scalar
 //    CPU path and a SIMD vector on AVX2/AVX-512; it supports + - * /, V(float) broadcast,
-//    and q8_sqrt(V). Branch only on hyperparameters (uniform per call),
+//    q8_sqrt(V) and q8_sign(V). Branch only on hyperparameters (uniform per call),
 //    never on element values, so the same code vectorizes. Mirror the Python _update_fp32 one
 //    operation per line: `a * b + c * d` is fine (contraction is off), but do not reassociate.
 // 2. Add one line to Q8_RULES at the end of this file with the name the Python class puts in
@@ -214,6 +214,9 @@ Q8_HOST float q8_hyper(Get& get, const char* name) { return (float)get(name); }
 
 Q8_HD float q8_sqrt(float x) { return sqrtf(x); }
 
+// torch.sign: (0 < x) - (x < 0), so +0, -0 and NaN all give +0.
+Q8_HD float q8_sign(float x) { return (0.0f < x ? 1.0f : 0.0f) - (x < 0.0f ? 1.0f : 0.0f); }
+
 // torch.optim.Adam / AdamW (ds_q8.optim.adam._AdamBase._update_fp32), states: exp_avg, exp_avg_sq.
 template <bool kDecoupled>
 struct AdamRule {
@@ -270,12 +273,143 @@ struct MomentumRule {
     }
 };
 
+// torch.optim.RMSprop, not centered (ds_q8.optim.rmsprop.RMSprop8bitBlock), states: square_avg and,
+// with momentum, momentum_buffer. The state layout is fixed per optimizer, hence two rules.
+template <bool kMomentum>
+struct RMSpropRule {
+    static constexpr int kStates = kMomentum ? 2 : 1;
+    float lr, alpha, one_minus_alpha, eps, weight_decay, momentum;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit RMSpropRule(Get get)
+        : lr(q8_hyper(get, "lr")), alpha(q8_hyper(get, "alpha")), one_minus_alpha(q8_hyper(get, "one_minus_alpha")),
+          eps(q8_hyper(get, "eps")), weight_decay(q8_hyper(get, "weight_decay")),
+          momentum(q8_hyper(get, "momentum")), has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) g = g + p * V(weight_decay);
+        V sq = s[0] * V(alpha) + (g * g) * V(one_minus_alpha);
+        V avg = q8_sqrt(sq) + V(eps);
+        V d = g / avg;
+        s[0] = sq;
+        if (kMomentum) {
+            // s[kStates - 1] is s[1] here; spelled so the one-state instantiation never names s[1]
+            V buf = s[kStates - 1] * V(momentum) + d;
+            s[kStates - 1] = buf;
+            d = buf;
+        }
+        p = p - d * V(lr);
+    }
+};
+
+// torch.optim.Adagrad (ds_q8.optim.adagrad.Adagrad8bitBlock), state: sum. clr is the decayed lr.
+struct AdagradRule {
+    static constexpr int kStates = 1;
+    float clr, weight_decay, eps;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit AdagradRule(Get get)
+        : clr(q8_hyper(get, "clr")), weight_decay(q8_hyper(get, "weight_decay")), eps(q8_hyper(get, "eps")),
+          has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) g = g + p * V(weight_decay);
+        V sum = s[0] + g * g;
+        V std = q8_sqrt(sum) + V(eps);
+        p = p - (g / std) * V(clr);
+        s[0] = sum;
+    }
+};
+
+// LAMB (ds_q8.optim.lamb.LAMB8bitBlock), states: exp_avg, exp_avg_sq. The trust ratio comes from
+// the first (norm) pass in Python, folded into step_size = lr * trust.
+struct LambRule {
+    static constexpr int kStates = 2;
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, step_size, inv_bias_correction1,
+        inv_bias_correction2_sqrt;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit LambRule(Get get)
+        : beta1(q8_hyper(get, "beta1")), one_minus_beta1(q8_hyper(get, "one_minus_beta1")),
+          beta2(q8_hyper(get, "beta2")), one_minus_beta2(q8_hyper(get, "one_minus_beta2")),
+          eps(q8_hyper(get, "eps")), weight_decay(q8_hyper(get, "weight_decay")),
+          step_size(q8_hyper(get, "step_size")),
+          // the reference multiplies by python reciprocals, divided in double then rounded
+          inv_bias_correction1((float)(1.0 / get("bias_correction1"))),
+          inv_bias_correction2_sqrt((float)(1.0 / get("bias_correction2_sqrt"))),
+          has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        V m = s[0] * V(beta1) + g * V(one_minus_beta1);
+        V v = s[1] * V(beta2) + (g * g) * V(one_minus_beta2);
+        V denom = q8_sqrt(v) * V(inv_bias_correction2_sqrt) + V(eps);
+        V u = (m * V(inv_bias_correction1)) / denom;
+        if (has_weight_decay) u = u + p * V(weight_decay);
+        p = p - u * V(step_size);
+        s[0] = m;
+        s[1] = v;
+    }
+};
+
+// LARS (ds_q8.optim.lars.LARS8bitBlock), state: momentum_buffer; trust_ratio from the norm pass.
+struct LarsRule {
+    static constexpr int kStates = 1;
+    float lr, momentum, weight_decay, trust_ratio;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit LarsRule(Get get)
+        : lr(q8_hyper(get, "lr")), momentum(q8_hyper(get, "momentum")), weight_decay(q8_hyper(get, "weight_decay")),
+          trust_ratio(q8_hyper(get, "trust_ratio")), has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) g = g + p * V(weight_decay);
+        V buf = s[0] * V(momentum) + g * V(trust_ratio);
+        p = p - buf * V(lr);
+        s[0] = buf;
+    }
+};
+
+// Lion (ds_q8.optim.lion.Lion8bitBlock), state: exp_avg.
+struct LionRule {
+    static constexpr int kStates = 1;
+    float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay_factor;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit LionRule(Get get)
+        : lr(q8_hyper(get, "lr")), beta1(q8_hyper(get, "beta1")), one_minus_beta1(q8_hyper(get, "one_minus_beta1")),
+          beta2(q8_hyper(get, "beta2")), one_minus_beta2(q8_hyper(get, "one_minus_beta2")),
+          decay_factor(q8_hyper(get, "decay_factor")), has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) p = p * V(decay_factor);
+        V c = s[0] * V(beta1) + g * V(one_minus_beta1);
+        p = p - q8_sign(c) * V(lr);
+        s[0] = s[0] * V(beta2) + g * V(one_minus_beta2);
+    }
+};
+
 }  // namespace
 
 // Every rule the drivers know, by the name Python uses in `update_rule`.
-#define Q8_RULES(X)                 \
-    X("adam", AdamRule<false>)      \
-    X("adamw", AdamRule<true>)      \
-    X("momentum", MomentumRule)
+#define Q8_RULES(X)                             \
+    X("adam", AdamRule<false>)                  \
+    X("adamw", AdamRule<true>)                  \
+    X("momentum", MomentumRule)                 \
+    X("rmsprop", RMSpropRule<false>)            \
+    X("rmsprop_momentum", RMSpropRule<true>)    \
+    X("adagrad", AdagradRule)                   \
+    X("lamb", LambRule)                         \
+    X("lars", LarsRule)                         \
+    X("lion", LionRule)
 
 }  // namespace ds_q8
