@@ -14,17 +14,19 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
+from ds_q8.memory import tensor_state_bytes
+
 GB = 1e9
 BF16_WEIGHT_AND_GRAD = 2 + 2
 
 
 def optimizer_bytes_per_param(optim_bits: int, block_size: int = 2048) -> float:
-    """K: fp32 master copy plus both Adam moments, per parameter."""
-    if optim_bits == 32:
-        return 4 + 4 + 4
-    if optim_bits == 8:
-        return 4 + 1 + 1 + 2 * 4 / block_size
-    raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
+    """K: fp32 master copy plus both Adam moments, per parameter (moments as ds_q8.memory counts them)."""
+    if optim_bits not in (8, 32):
+        raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
+    # one full block, so its absmax is counted exactly once
+    moments = tensor_state_bytes(block_size, 2, optim_bits, block_size, min_8bit_size=0) / block_size
+    return 4 + moments
 
 
 def model_state_bytes(n_params: int, world_size: int, optim_bits: int, n_params_32bit: int = 0,
