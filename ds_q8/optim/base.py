@@ -595,6 +595,13 @@ def check_betas(group: dict) -> None:
     check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
 
 
+def check_adam_group(group: dict) -> None:
+    """The checks shared by the Adam-style rules (Adam, AdamW, LAMB): betas, eps, weight_decay."""
+    check_betas(group)
+    check_range("eps", group["eps"], 0.0, math.inf)
+    check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
+
+
 def beta_hyper(group: dict) -> Dict[str, float]:
     """The step scalars every two-beta rule uses."""
     beta1, beta2 = group["betas"]

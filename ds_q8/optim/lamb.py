@@ -6,7 +6,7 @@ from typing import Dict, List
 
 import torch
 
-from .base import Optimizer8bitBlock, beta_hyper, check_betas, check_range
+from .base import Optimizer8bitBlock, beta_hyper, check_adam_group
 from .mathops import sqrt_rn
 
 
@@ -30,9 +30,7 @@ class LAMB8bitBlock(Optimizer8bitBlock):
                                       min_8bit_size=min_8bit_size, optim_bits=optim_bits, quantization=quantization), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
-        check_betas(group)
-        check_range("eps", group["eps"], 0.0, math.inf)
-        check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
+        check_adam_group(group)
 
     def _hyper(self, group: dict, step: int) -> Dict[str, float]:
         beta1, beta2 = group["betas"]
