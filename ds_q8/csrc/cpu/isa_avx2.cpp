@@ -35,6 +35,7 @@ inline V256 q8_sign(V256 a) {  // torch.sign: +0 for +-0 and NaN (ordered compar
 
 struct Avx2 : PerVectorBlocks<Avx2> {
     static constexpr int W = 8;
+    static constexpr int kChunk = W;
     using V = V256;
 
     // Full vectors read/write memory directly; a partial one is staged through `buf`.

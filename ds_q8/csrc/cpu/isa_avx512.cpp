@@ -12,6 +12,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")
 
 #include "q8_common.h"
+#include "q8_fastmap.h"
 
 namespace ds_q8 {
 namespace {
@@ -81,8 +82,9 @@ struct Avx512 {
         return t;
     }
 
-    // code[c] * absmax for `len` codes into out (rounded up to a multiple of 64 lanes).
-    static void dequant_block(float* out, const uint8_t* codes, int len, const Table& t, float absmax) {
+    // code[c] * absmax for 64 codes (cnt of them read, the rest taken as code 0) into 4 vectors in
+    // memory order.
+    static void dequant64(__m512* out, const uint8_t* codes, int cnt, const Table& t, float absmax) {
         // After the byte->word->dword unpacks below, float q of 128-bit lane L holds input byte
         // 16L + 4q + i; this pre-permutation puts element 16q + 4L + i there, so that the four
         // result registers come out in memory order.
@@ -93,59 +95,155 @@ struct Avx512 {
             12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
         const __m512i perm = _mm512_load_si512(order);
         const __m512 scale = _mm512_set1_ps(absmax);
+        const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+        __m512i c = _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(live, codes));
+        __mmask64 high = _mm512_movepi8_mask(c);
+        __m512i b[4];
+        for (int k = 0; k < 4; ++k)
+            b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t.plane[k][0], c, t.plane[k][1]),
+                                          _mm512_permutex2var_epi8(t.plane[k][2], c, t.plane[k][3]));
+        __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        __m512i f[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                        _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+        for (int q = 0; q < 4; ++q) out[q] = _mm512_mul_ps(_mm512_castsi512_ps(f[q]), scale);
+    }
+
+    // The step dequantizes 64 codes at a time straight into registers.
+    static constexpr int kChunk = 64;
+    static void dequant_chunk(V* out, const uint8_t* codes, int cnt, const Table& t, float absmax) {
+        __m512 v[4];
+        dequant64(v, codes, cnt, t, absmax);
+        for (int q = 0; q < 4; ++q) out[q] = v[q];
+    }
+
+    // code[c] * absmax for `len` codes into out (rounded up to a multiple of 64 lanes).
+    static void dequant_block(float* out, const uint8_t* codes, int len, const Table& t, float absmax) {
         for (int i = 0; i < len; i += 64) {
-            const int cnt = len - i;
-            const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-            __m512i c = _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(live, codes + i));
-            __mmask64 high = _mm512_movepi8_mask(c);
-            __m512i b[4];
-            for (int k = 0; k < 4; ++k)
-                b[k] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(t.plane[k][0], c, t.plane[k][1]),
-                                              _mm512_permutex2var_epi8(t.plane[k][2], c, t.plane[k][3]));
-            __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
-            __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
-            __m512i f[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                            _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-            for (int q = 0; q < 4; ++q) _mm512_store_ps(out + i + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(f[q]), scale));
+            __m512 v[4];
+            dequant64(v, codes + i, len - i, t, absmax);
+            for (int q = 0; q < 4; ++q) _mm512_store_ps(out + i + 16 * q, v[q]);
         }
     }
 
+    // Running max of |x| on the bit patterns: for non-negative floats integer order is float order,
+    // and every NaN pattern lies above infinity, so a NaN wins and is reported at the end.
     static V absmax_init() { return _mm512_setzero_ps(); }
     static V absmax_step(V acc, V x, int cnt) {
-        // lanes that already hold NaN keep it; max(acc, NaN) returns the NaN operand
-        __mmask16 live = mask(cnt) & (__mmask16)~_mm512_cmp_ps_mask(acc.v, acc.v, _CMP_UNORD_Q);
-        return _mm512_mask_max_ps(acc.v, live, acc.v, _mm512_abs_ps(x.v));
+        const __m512i bits = _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7FFFFFFF));
+        const __m512i a = _mm512_castps_si512(acc.v);
+        return _mm512_castsi512_ps(_mm512_mask_max_epu32(a, mask(cnt), a, bits));
     }
     static float absmax_reduce(V acc) {
-        if (_mm512_cmp_ps_mask(acc.v, acc.v, _CMP_UNORD_Q)) return NAN;
-        return _mm512_reduce_max_ps(acc.v);
+        const uint32_t m = (uint32_t)_mm512_reduce_max_epu32(_mm512_castps_si512(acc.v));
+        return m > 0x7F800000u ? NAN : q8_float(m);
+    }
+
+    // 16 scaled values by the lookup table: one gather.
+    static __m512i lookup16(__m512 y, const uint32_t* lookup) {
+        const __m512i u = _mm512_castps_si512(y);
+        const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32((int)0x80000000u)));
+        const __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const int*)lookup - kLookupLow, 4);
+        return _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(key, _mm512_set1_epi32(0xFFFF))), 16);
+    }
+
+    static __m512i lookup64(const float* x, __m512 vscale, const uint32_t* lookup) {
+        __m512i idx[4];
+        for (int q = 0; q < 4; ++q) idx[q] = lookup16(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), vscale), lookup);
+        return pack_bytes(idx);
+    }
+
+    // Four vectors of indices < 256 to 64 bytes in memory order (packs work per 128-bit lane; the
+    // final dword permute undoes their interleaving).
+    static __m512i pack_bytes(const __m512i* idx) {
+        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        __m512i w01 = _mm512_packus_epi32(idx[0], idx[1]), w23 = _mm512_packus_epi32(idx[2], idx[3]);
+        return _mm512_permutexvar_epi32(order, _mm512_packus_epi16(w01, w23));
+    }
+
+    // The segment tables of q8_fastmap.h in registers.
+    struct FastRegs {
+        __m512 thr_lo, thr_hi, inv, c, hi;
+        __m512i seg_lo, seg_hi;
+    };
+    static FastRegs load_fast(const FastMap& m) {
+        return FastRegs{_mm512_load_ps(m.bin_thr), _mm512_load_ps(m.bin_thr + 16), _mm512_load_ps(m.seg_inv),
+                        _mm512_load_ps(m.seg_c), _mm512_load_ps(m.seg_hi), _mm512_load_si512(m.bin_seg),
+                        _mm512_load_si512(m.bin_seg + 16)};
+    }
+
+    // 64 scaled values by the segment search. Each step mirrors q8_fastmap_t2; a vector with an
+    // ambiguous value goes through the lookup table instead (rare: a value within
+    // kFastAmbiguous / 2 of a midpoint, in units of the code spacing).
+    template <bool kSigned>
+    static __m512i fast64(const float* x, __m512 vscale, const FastRegs& r, const uint32_t* lookup) {
+        const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+        const __m512i low_binade = _mm512_set1_epi32(kFastBinadeLow);
+        const __m512 band = _mm512_set1_ps(kFastAmbiguous);
+        __m512i k[4];
+        __mmask16 neg[4], amb[4];
+        for (int q = 0; q < 4; ++q) {
+            const __m512 yf = _mm512_mul_ps(_mm512_load_ps(x + 16 * q), vscale);
+            const __m512i y = _mm512_castps_si512(yf);
+            neg[q] = _mm512_movepi32_mask(y);
+            __m512i ab = _mm512_and_si512(y, abs_mask);
+            if (kSigned) ab = _mm512_mask_add_epi32(ab, neg[q], ab, one);  // next float above |y|
+            const __m512 a = _mm512_castsi512_ps(ab);
+            const __m512i e = _mm512_max_epu32(_mm512_srli_epi32(ab, 23), low_binade);
+            const __m512 thr = _mm512_permutex2var_ps(r.thr_lo, e, r.thr_hi);
+            __m512i seg = _mm512_permutex2var_epi32(r.seg_lo, e, r.seg_hi);
+            seg = _mm512_mask_add_epi32(seg, _mm512_cmp_ps_mask(a, thr, _CMP_GT_OQ), seg, one);
+            __m512 t2 = _mm512_fmadd_ps(a, _mm512_permutexvar_ps(seg, r.inv), _mm512_permutexvar_ps(seg, r.c));
+            t2 = _mm512_min_ps(t2, _mm512_permutexvar_ps(seg, r.hi));
+            // reduce with imm 0x09: t2 - floor(t2), no precision exception
+            amb[q] = _mm512_cmp_ps_mask(_mm512_reduce_ps(t2, 0x09), band, _CMP_LT_OQ);
+            k[q] = _mm512_cvttps_epi32(t2);
+        }
+        const __m512i mag = pack_bytes(k);
+        const __mmask64 negative = (__mmask64)neg[0] | ((__mmask64)neg[1] << 16) | ((__mmask64)neg[2] << 32) |
+                                   ((__mmask64)neg[3] << 48);
+        __m512i idx;
+        if (kSigned) {
+            const __m512i zero_code = _mm512_set1_epi8(127);
+            idx = _mm512_mask_blend_epi8(negative, _mm512_adds_epu8(zero_code, mag), _mm512_subs_epu8(zero_code, mag));
+        } else {
+            idx = _mm512_maskz_mov_epi8(~negative, mag);
+        }
+        if (_kor_mask16(_kor_mask16(amb[0], amb[1]), _kor_mask16(amb[2], amb[3]))) {
+            __m512i exact[4];
+            __mmask64 redo = 0;
+            for (int q = 0; q < 4; ++q) {
+                exact[q] = _mm512_setzero_si512();
+                if (amb[q]) {
+                    exact[q] = lookup16(_mm512_mul_ps(_mm512_load_ps(x + 16 * q), vscale), lookup);
+                    redo |= (__mmask64)0xFFFF << (16 * q);
+                }
+            }
+            idx = _mm512_mask_blend_epi8(redo, idx, pack_bytes(exact));
+        }
+        return idx;
+    }
+
+    template <bool kSigned>
+    static void fast_block(uint8_t* out, const float* x, int len, __m512 vscale, const FastMap& m,
+                           const uint32_t* lookup) {
+        const FastRegs r = load_fast(m);
+        for (int i = 0; i < len; i += 64) _mm512_storeu_si512(out + i, fast64<kSigned>(x + i, vscale, r, lookup));
     }
 
     // A whole block. With a finite absmax every scaled value is finite and within [-1, 1] (one
     // rounding above 1 at most), so the clamp and NaN handling of quantize() are not needed.
-    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
+    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
+                               const FastMap* fast) {
         const float scale = q8_block_scale(absmax);
         if (!(fabsf(absmax) < INFINITY) || len % 64) {
             for (int i = 0; i < len; i += 16) quantize(out + i, load_tmp(x + i), scale, lookup, len - i < 16 ? len - i : 16);
             return;
         }
-        const __m512i low16 = _mm512_set1_epi32(0xFFFF), sign = _mm512_set1_epi32((int)0x80000000u);
         const __m512 vscale = _mm512_set1_ps(scale);
-        const int* base = (const int*)lookup - kLookupLow;
-        const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-        for (int i = 0; i < len; i += 64) {
-            __m512i idx[4];
-            for (int q = 0; q < 4; ++q) {
-                __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_load_ps(x + i + 16 * q), vscale));
-                __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), sign));
-                __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), base, 4);
-                idx[q] = _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(key, low16)), 16);
-            }
-            // packs work per 128-bit lane; the final dword permute restores memory order
-            __m512i w01 = _mm512_packus_epi32(idx[0], idx[1]), w23 = _mm512_packus_epi32(idx[2], idx[3]);
-            __m512i bytes = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(w01, w23));
-            _mm512_storeu_si512(out + i, bytes);
-        }
+        if (fast && fast->is_signed) return fast_block<true>(out, x, len, vscale, *fast, lookup);
+        if (fast) return fast_block<false>(out, x, len, vscale, *fast, lookup);
+        for (int i = 0; i < len; i += 64) _mm512_storeu_si512(out + i, lookup64(x + i, vscale, lookup));
     }
 
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
@@ -169,5 +267,33 @@ struct Avx512 {
 #include "q8_cpu_driver.h"
 
 Q8_DEFINE_ISA(avx512, Avx512)
+
+namespace ds_q8 {
+// Every float in [-limit, limit] through the segment search, against the lookup table.
+int64_t fast_search_mismatches_avx512(const float* code, const uint32_t* lookup, const FastMap& m, float limit,
+                                      int num_threads) {
+    const uint32_t top = q8_bits(limit);
+    const int64_t chunks = ((int64_t)top + 64) / 64;
+    int64_t bad = 0;
+#pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
+    for (int64_t c = 0; c < 2 * chunks; ++c) {
+        alignas(64) float y[64];
+        alignas(64) uint8_t got[64];
+        const uint32_t sign = c < chunks ? 0u : 0x80000000u;
+        const int64_t first = (c % chunks) * 64;
+        for (int i = 0; i < 64; ++i) {
+            const int64_t b = first + i;
+            y[i] = q8_float(sign | (uint32_t)(b > (int64_t)top ? top : b));
+        }
+        const Avx512::FastRegs r = Avx512::load_fast(m);
+        const __m512 one = _mm512_set1_ps(1.0f);
+        _mm512_store_si512(got, m.is_signed ? Avx512::fast64<true>(y, one, r, lookup)
+                                            : Avx512::fast64<false>(y, one, r, lookup));
+        for (int i = 0; i < 64; ++i) bad += got[i] != q8_quantize_scaled(y[i], lookup);
+    }
+    (void)code;
+    return bad;
+}
+}  // namespace ds_q8
 
 #pragma GCC pop_options

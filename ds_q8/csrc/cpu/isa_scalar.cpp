@@ -11,6 +11,7 @@ namespace {
 
 struct Scalar : PerVectorBlocks<Scalar> {
     static constexpr int W = 1;
+    static constexpr int kChunk = W;
     using V = float;
 
     template <class T>

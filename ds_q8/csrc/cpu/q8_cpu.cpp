@@ -2,13 +2,18 @@
 // into the driver of that instruction set (isa_*.cpp).
 #include <torch/extension.h>
 
+#include <array>
+#include <cstdlib>
+#include <deque>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "q8_binding.h"
 #include "q8_common.h"
 #include "q8_cpu_api.h"
+#include "q8_fastmap.h"
 
 namespace ds_q8 {
 namespace {
@@ -55,6 +60,33 @@ void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
     binding::check_lookup(lookup);
 }
 
+// The segment tables of a map (q8_fastmap.h), built once per distinct map and kept for the life of
+// the process; null when the map has no such structure or DS_Q8_FAST_SEARCH=0.
+const FastMap* fast_map_for(const torch::Tensor& code) {
+    static const bool enabled = [] {
+        const char* v = std::getenv("DS_Q8_FAST_SEARCH");
+        return !(v && std::string(v) == "0");
+    }();
+    if (!enabled) return nullptr;
+    struct Entry {
+        std::array<uint32_t, 256> bits;
+        bool ok;
+        FastMap map;
+    };
+    static std::mutex mu;
+    static std::deque<Entry> cache;  // a deque keeps addresses stable as it grows
+    std::array<uint32_t, 256> key;
+    std::memcpy(key.data(), code.data_ptr<float>(), sizeof(key));
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& e : cache)
+        if (e.bits == key) return e.ok ? &e.map : nullptr;
+    cache.emplace_back();
+    Entry& e = cache.back();
+    e.bits = key;
+    e.ok = q8_build_fastmap(code.data_ptr<float>(), &e.map);
+    return e.ok ? &e.map : nullptr;
+}
+
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
                  const char* name) {
     check_cpu_contiguous(codes, name);
@@ -89,6 +121,7 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
         a.absmax[i] = absmax[i].data_ptr<float>();
         a.code[i] = codes[i].data_ptr<float>();
         a.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
+        a.fast[i] = fast_map_for(codes[i]);
     }
     std::vector<HyperParam> hp;
     for (const auto& kv : hyper) hp.push_back(HyperParam{kv.first.c_str(), kv.second});
@@ -121,6 +154,7 @@ std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor&
     a.absmax = absmax.data_ptr<float>();
     a.code = code.data_ptr<float>();
     a.lookup = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
+    a.fast = fast_map_for(code);
     a.num_threads = at::get_num_threads();
     if (isa == "avx512") quantize_avx512(a);
     else if (isa == "avx2") quantize_avx2(a);
@@ -188,6 +222,25 @@ bool all_finite(const std::vector<torch::Tensor>& tensors) {
     return true;
 }
 
+// Whether the AVX-512 driver searches this map without the lookup table (q8_fastmap.h).
+bool fast_search(const torch::Tensor& code) {
+    check_cpu_contiguous(code, "code");
+    binding::check_code(code);
+    return fast_map_for(code) != nullptr;
+}
+
+// Exhaustive check of that search (every float in [-limit, limit]); -1 when it does not apply.
+int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& lookup, double limit) {
+    check_map(code, lookup);
+    const FastMap* m = fast_map_for(code);
+    const auto isas = supported_isas();
+    if (!m || isas.empty() || isas[0] != "avx512") return -1;
+    TORCH_CHECK_VALUE(limit >= 0.0 && limit < 2.0, "limit must be in [0, 2), got ", limit);
+    return fast_search_mismatches_avx512(code.data_ptr<float>(),
+                                         reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), *m,
+                                         (float)limit, at::get_num_threads());
+}
+
 }  // namespace
 }  // namespace ds_q8
 
@@ -198,6 +251,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
+    m.def("fast_search", &ds_q8::fast_search, "True when the AVX-512 step searches this map without the table");
+    m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
+          "segment search vs lookup table over every float in [-limit, limit]; -1 when it does not apply");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
 }

@@ -7,6 +7,8 @@
 
 namespace ds_q8 {
 
+struct FastMap;  // q8_fastmap.h
+
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 struct HyperParam {
@@ -25,6 +27,7 @@ struct StepArgs {
     float* absmax[2];          // one float per block
     const float* code[2];      // the 256-entry map of each state
     const uint32_t* lookup[2]; // q8_build_lookup table of each map
+    const FastMap* fast[2];    // its segment tables, or null (q8_build_fastmap)
     const HyperParam* hyper;
     int num_hyper;
     int num_threads;
@@ -39,6 +42,7 @@ struct QuantizeArgs {
     float* absmax;
     const float* code;
     const uint32_t* lookup;
+    const FastMap* fast;
     int num_threads;
 };
 
@@ -56,5 +60,10 @@ struct StepStatus {
 Q8_DECLARE_ISA(avx512)
 Q8_DECLARE_ISA(avx2)
 Q8_DECLARE_ISA(scalar)
+
+// Test hook of the AVX-512 segment search: mismatches against the lookup table over every float in
+// [-limit, limit] (scaled values, so limit is a little above 1).
+int64_t fast_search_mismatches_avx512(const float* code, const uint32_t* lookup, const FastMap& m, float limit,
+                                      int num_threads);
 
 }  // namespace ds_q8

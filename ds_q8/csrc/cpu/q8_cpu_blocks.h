@@ -9,6 +9,9 @@
 #include "q8_common.h"
 
 namespace ds_q8 {
+
+struct FastMap;  // q8_fastmap.h; only the AVX-512 driver uses it
+
 namespace {
 
 template <class Self>
@@ -16,13 +19,20 @@ struct PerVectorBlocks {
     using Table = const float*;
     static Table prepare(const float* code) { return code; }
 
+    // kChunk (= W) is declared by Self: it is incomplete here.
+    template <class V>
+    static void dequant_chunk(V* out, const uint8_t* codes, int cnt, Table code, float absmax) {
+        out[0] = Self::dequant(codes, cnt < Self::W ? cnt : Self::W, code, absmax);
+    }
+
     static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
         constexpr int W = Self::W;
         for (int i = 0; i < len; i += W)
             Self::store_tmp(out + i, Self::dequant(codes + i, len - i < W ? len - i : W, code, absmax));
     }
 
-    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup) {
+    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
+                               const FastMap*) {
         constexpr int W = Self::W;
         const float scale = q8_block_scale(absmax);
         for (int i = 0; i < len; i += W) Self::quantize(out + i, Self::load_tmp(x + i), scale, lookup, len - i < W ? len - i : W);
