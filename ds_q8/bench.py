@@ -7,7 +7,11 @@ machine drift between runs.
 
 GB/s counts the bytes a step must move at least: 16 per parameter for 8-bit state (read p, g, two
 code bytes; write p, two code bytes) and 28 for 32-bit state (read p, g, m, v; write p, m, v).
-(De)quantization counts 5 bytes per element (fp32 in and code out, or the reverse).
+(De)quantization counts 5 bytes per element (fp32 in and code out, or the reverse); dequantize
+allocates its output, so its time includes the first touch of those pages.
+
+A second table runs the same step over many small parameters (default 1000 of 4096 elements), where
+per-parameter overhead rather than arithmetic decides.
 """
 from __future__ import annotations
 
@@ -29,11 +33,15 @@ BYTES_8BIT, BYTES_32BIT, BYTES_QUANT = 16, 28, 5
 LR, WD = 1e-3, 1e-2
 
 
-def _param(n: int, device: str, seed: int) -> torch.nn.Parameter:
+def _params(n: int, device: str, seed: int, count: int = 1) -> List[torch.nn.Parameter]:
+    """``count`` parameters of ``n`` elements each, with gradients."""
     g = torch.Generator().manual_seed(seed)
-    p = torch.nn.Parameter(torch.randn(n, generator=g).to(device))
-    p.grad = (torch.randn(n, generator=g) * 1e-2).to(device)
-    return p
+    out = []
+    for _ in range(count):
+        p = torch.nn.Parameter(torch.randn(n, generator=g).to(device))
+        p.grad = (torch.randn(n, generator=g) * 1e-2).to(device)
+        out.append(p)
+    return out
 
 
 def _reference_step(opt) -> Callable[[], None]:
@@ -50,9 +58,13 @@ def _reference_step(opt) -> Callable[[], None]:
     return step
 
 
-def optimizer_rows(n: int, device: str, with_reference: bool) -> List[dict]:
-    """(name, bytes per param, step function) for every implementation available here."""
+def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1) -> List[dict]:
+    """(name, bytes per param, step function) for every implementation available here, each stepping
+    ``count`` parameters of ``n`` elements."""
     rows = []
+
+    def _param(n, device, seed):
+        return _params(n, device, seed, count)
 
     def add(name, bytes_per_param, make):
         try:
@@ -64,32 +76,32 @@ def optimizer_rows(n: int, device: str, with_reference: bool) -> List[dict]:
         kind = "cuda" if device.startswith("cuda") else "cpu"
         if ops.load_op(kind) is None:
             raise RuntimeError(f"the {kind} op is unavailable")
-        return ds_q8.AdamW8bitBlock([_param(n, device, 0)], lr=LR, weight_decay=WD, nonfinite=nonfinite).step
+        return ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite).step
 
     add("ds_q8 AdamW8bitBlock (kernel)", BYTES_8BIT, lambda: ds_q8_kernel("skip"))
     # the default non-finite check is one extra read of the gradients; this row shows its cost
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
     if with_reference:
         add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
-            lambda: _reference_step(ds_q8.AdamW8bitBlock([_param(n, device, 1)], lr=LR, weight_decay=WD)))
+            lambda: _reference_step(ds_q8.AdamW8bitBlock(_param(n, device, 1), lr=LR, weight_decay=WD)))
     add("torch AdamW fused", BYTES_32BIT,
-        lambda: torch.optim.AdamW([_param(n, device, 2)], lr=LR, weight_decay=WD, fused=True).step)
+        lambda: torch.optim.AdamW(_param(n, device, 2), lr=LR, weight_decay=WD, fused=True).step)
     add("torch AdamW foreach", BYTES_32BIT,
-        lambda: torch.optim.AdamW([_param(n, device, 3)], lr=LR, weight_decay=WD, foreach=True).step)
+        lambda: torch.optim.AdamW(_param(n, device, 3), lr=LR, weight_decay=WD, foreach=True).step)
     if device == "cpu":
         def deepspeed_cpu_adam():
             from deepspeed.ops.adam import DeepSpeedCPUAdam
-            return DeepSpeedCPUAdam([_param(n, device, 4)], lr=LR, weight_decay=WD, adamw_mode=True).step
+            return DeepSpeedCPUAdam(_param(n, device, 4), lr=LR, weight_decay=WD, adamw_mode=True).step
         add("DeepSpeedCPUAdam", BYTES_32BIT, deepspeed_cpu_adam)
 
     def bitsandbytes_adamw8bit():
         import bitsandbytes as bnb
-        return bnb.optim.AdamW8bit([_param(n, device, 5)], lr=LR, weight_decay=WD).step
+        return bnb.optim.AdamW8bit(_param(n, device, 5), lr=LR, weight_decay=WD).step
     add("bitsandbytes AdamW8bit", BYTES_8BIT, bitsandbytes_adamw8bit)
 
     def torchao_adamw8bit():
         from torchao.optim import AdamW8bit
-        return AdamW8bit([_param(n, device, 6)], lr=LR, weight_decay=WD).step
+        return AdamW8bit(_param(n, device, 6), lr=LR, weight_decay=WD).step
     add("torchao AdamW8bit", BYTES_8BIT, torchao_adamw8bit)
     return rows
 
@@ -155,12 +167,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median is reported)")
     ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-PyTorch reference row")
+    ap.add_argument("--many", type=int, nargs=2, default=[1000, 4096], metavar=("COUNT", "SIZE"),
+                    help="second table: COUNT parameters of SIZE elements each (default 1000 4096; 0 0 skips it)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
         ap.error(f"--n must be >= 1, got {args.n}")
     if args.reps < 1:
         ap.error(f"--reps must be >= 1, got {args.reps}")
+    if min(args.many) < 0 or (min(args.many) == 0 and max(args.many) != 0):
+        ap.error(f"--many needs two positive numbers (or 0 0 to skip), got {args.many}")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -171,6 +187,12 @@ def main(argv=None) -> dict:
     steps = optimizer_rows(args.n, args.device, not args.no_reference)
     measure(steps, args.reps, args.device)
     step_table = table(steps, args.n, baseline)
+    count, size = args.many
+    many_table = []
+    if count:
+        many = optimizer_rows(size, args.device, False, count)
+        measure(many, args.reps, args.device)
+        many_table = table(many, count * size, baseline)
     quant = quantize_rows(args.n, args.device)
     measure(quant, args.reps, args.device)
     quant_table = table(quant, args.n, None)
@@ -183,8 +205,11 @@ def main(argv=None) -> dict:
     print(f"one AdamW step on {args.n} fp32 parameters, {args.device}, {config['threads']} threads"
           f"{', ISA ' + isa if isa else ''}; median of {args.reps} interleaved runs")
     print_table("optimizer step", step_table, baseline)
+    if many_table:
+        print_table(f"the same step over {count} parameters of {size} elements each", many_table, baseline)
     print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
-    result = dict(config=config, step=step_table, quantization=quant_table)
+    result = dict(config=config, step=step_table, many=dict(count=count, size=size, step=many_table),
+                  quantization=quant_table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

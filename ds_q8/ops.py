@@ -119,6 +119,57 @@ def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
     return True
 
 
+_STATE_KEYS = {k: (tuple(f"state{i}" for i in range(1, k + 1)), tuple(f"absmax{i}" for i in range(1, k + 1)))
+               for k in (1, 2)}
+
+
+def fused_step_many(optimizer, items, group, hyper) -> list:
+    """The 8-bit step of many parameters that share ``group`` and ``hyper``, in one kernel call.
+
+    ``items`` are ``(p, grad, state)`` with 8-bit state. Parameters are batched by device and
+    dtypes; each batch is one call (on CPU one parallel loop over all its blocks). Returns the items
+    it did not step, which the caller steps one at a time.
+    """
+    rule = getattr(optimizer, "update_rule", "")
+    if not rule or group["block_size"] is None or not kernels_enabled():
+        return list(items)
+    batches: Dict[tuple, tuple] = {}
+    rest = []
+    for item in items:  # cheap attribute reads only: this loop runs once per parameter per step
+        p, grad, _ = item
+        pd, gd, cuda = p.dtype, grad.dtype, p.is_cuda
+        if (pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32) or not p.is_contiguous()
+                or grad.is_cuda is not cuda or (not cuda and not p.is_cpu)):
+            rest.append(item)
+            continue
+        key = (p.get_device() if cuda else -1, pd, gd)
+        batch = batches.get(key)
+        if batch is None:
+            batch = batches[key] = ([], [], [], [], [])
+        batch[0].append(item)
+    state_keys, absmax_keys = _STATE_KEYS[len(optimizer.state_signed)]
+    for batch, params, grads, states, absmax in batches.values():
+        device = batch[0][0].device
+        module = load_op(device.type)
+        if module is None or not hasattr(module, "step_many") or rule not in module.rules():
+            rest.extend(batch)  # fused_step then warns once and picks the kernel or the reference
+            continue
+        maps = optimizer._maps(group, device)
+        try:
+            lookups = [_lookup(m, module) for m in maps]
+        except ValueError:
+            rest.extend(batch)
+            continue
+        for p, g, st in batch:
+            params.append(p)  # the kernel writes p's memory in place, as p.data would
+            grads.append(g if g.is_contiguous() else g.contiguous())
+            states.append([st[key] for key in state_keys])
+            absmax.append([st[key] for key in absmax_keys])
+        _call(module, "step_many", params[0], rule, params, grads, states, absmax, maps, lookups,
+              group["block_size"], dict(hyper))
+    return rest
+
+
 def cpu_all_finite(tensors) -> Optional[bool]:
     """Whether CPU tensors hold only finite values, in one compiled read; None where it does not apply.
 
@@ -164,4 +215,4 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Option
     return out.view(codes.shape)
 
 
-__all__ = ["fused_step", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]
+__all__ = ["fused_step", "fused_step_many", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]

@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from ds_q8 import soak
+from ds_q8 import ops, soak
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -28,11 +28,15 @@ def test_drift_is_detected():
     real = soak.Adam8bitBlock._reference_step_8bit
 
     def off_by_a_bit(self, p, grad, state, group, h):
+        if not ops.kernels_enabled():  # the reference copy (DS_Q8_KERNELS=0) keeps the real path
+            return False
         real(self, p, grad, state, group, h)
         p.data.add_(1e-3)
         return True
 
-    with mock.patch("ds_q8.ops.fused_step", side_effect=lambda o, p, g, s, gr, h: off_by_a_bit(o, p, g, s, gr, h)):
+    # no batches: every parameter goes through the (patched) one-parameter kernel path
+    with mock.patch("ds_q8.ops.fused_step_many", side_effect=lambda o, items, gr, h: list(items)), \
+            mock.patch("ds_q8.ops.fused_step", side_effect=lambda o, p, g, s, gr, h: off_by_a_bit(o, p, g, s, gr, h)):
         r = soak.run(steps=4, warmup=1, every=2, width=32, batch=4, seed=0, log=lambda _: None)
     assert r["kernel"] and r["max_abs_diff"] > 0
 

@@ -268,6 +268,10 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 )
             NF.report_skip(self)
             return loss
+        # 8-bit parameters that share a group and step count share every hyperparameter, so their
+        # kernels run as one batch (one call for many small tensors); the rest go one at a time.
+        batches: Dict[tuple, tuple] = {}
+        hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
         for group, p in work:
             grad = p.grad
             state = self.state[p]
@@ -276,11 +280,27 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if "state1" not in state:
                 self._init_state(p, group, state)
             state["step"] = int(state["step"]) + 1
-            h = self._hyper(group, state["step"])
+            hkey = (id(group), state["step"])
+            h = hypers.get(hkey)
+            if h is None:
+                h = hypers[hkey] = self._hyper(group, state["step"])
             if self.needs_norms:
                 self._check_whole_tensors(group)
                 h = self._norm_hyper(h, self._tensor_norms(p, grad, state, group, h))
-            self._step_param(p, grad, state, group, h)
+                self._step_param(p, grad, state, group, h)
+            elif (p.is_cpu or p.is_cuda) and self.is_8bit_state(state):
+                batch = batches.get(hkey)
+                if batch is None:
+                    batch = batches[hkey] = (group, h, [])
+                batch[2].append((p, grad, state))
+            else:
+                self._step_param(p, grad, state, group, h)
+        if batches:
+            from .. import ops
+
+            for group, h, items in batches.values():
+                for p, grad, state in ops.fused_step_many(self, items, group, h):
+                    self._step_param(p, grad, state, group, h)
         return loss
 
     def _step_param(self, p, grad, state, group, h) -> None:
@@ -365,7 +385,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         bs = block_size_of(group, p)
         maps = self._maps(group, p.device)
         n = p.numel()
-        pf = p.data.view(-1)
+        # a non-contiguous parameter (e.g. a transposed view) is stepped in a flat copy, written back below
+        in_place = p.data.is_contiguous()
+        pf = p.data.view(-1) if in_place else p.data.reshape(-1).clone()
         gf = grad.reshape(-1)
         k = len(self.state_signed)
         codes = [state[f"state{i}"].view(-1) for i in range(1, k + 1)]
@@ -384,6 +406,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs)
             if p.dtype != torch.float32:
                 pf[start:end].copy_(p32)
+        if not in_place:
+            p.data.copy_(pf.view(p.shape))
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
@@ -420,6 +444,11 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         straight into ``optimizer.state``; this turns them into codes and block maxima before the
         next update. Returns True when the state was replaced.
         """
+        for n in self.state_names + UNIVERSAL_STATE_NAMES:
+            if n in state:
+                break
+        else:
+            return False  # the usual case, checked cheaply: no fp32 state under either naming
         names = self._fp32_names_in(state, self.state_names)
         if names is None:
             return False

@@ -2,6 +2,7 @@
 // into the driver of that instruction set (isa_*.cpp).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdlib>
 #include <deque>
@@ -94,17 +95,38 @@ void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_
     binding::check_codes(codes, absmax, numel, block_size, name);
 }
 
-void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
-          std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes,
-          std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
-    check_isa(isa);
-    check_block_size(block_size);
+// The maps of a step, checked once per call.
+struct StepMaps {
+    size_t k;
+    const float* code[2];
+    const uint32_t* lookup[2];
+    const FastMap* fast[2];
+};
+
+StepMaps step_maps(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& lookups) {
+    const size_t k = codes.size();
+    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && lookups.size() == k, "codes and lookups must be lists of the same length 1 or 2");
+    StepMaps m{};
+    m.k = k;
+    for (size_t i = 0; i < k; ++i) {
+        check_map(codes[i], lookups[i]);
+        m.code[i] = codes[i].data_ptr<float>();
+        m.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
+        m.fast[i] = fast_map_for(codes[i]);
+    }
+    return m;
+}
+
+// One tensor's part of a step, checked. The maps, block size and hyperparameters are shared.
+StepArgs step_args(const std::string& rule, const torch::Tensor& param, const torch::Tensor& grad,
+                   const std::vector<torch::Tensor>& states, const std::vector<torch::Tensor>& absmax,
+                   const StepMaps& maps, int64_t block_size, const std::vector<HyperParam>& hp) {
     check_cpu_contiguous(param, "param");
     check_cpu_contiguous(grad, "grad");
     TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
                       param.numel());
-    const size_t k = states.size();
-    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && absmax.size() == k && codes.size() == k && lookups.size() == k,
+    const size_t k = maps.k;
+    TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k,
                       "states, absmax, codes and lookups must be lists of the same length 1 or 2");
     StepArgs a{};
     a.rule = rule.c_str();
@@ -116,25 +138,79 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
     a.block_size = block_size;
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], a.numel, block_size, "state");
-        check_map(codes[i], lookups[i]);
         a.codes[i] = states[i].data_ptr<uint8_t>();
         a.absmax[i] = absmax[i].data_ptr<float>();
-        a.code[i] = codes[i].data_ptr<float>();
-        a.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
-        a.fast[i] = fast_map_for(codes[i]);
+        a.code[i] = maps.code[i];
+        a.lookup[i] = maps.lookup[i];
+        a.fast[i] = maps.fast[i];
     }
-    std::vector<HyperParam> hp;
-    for (const auto& kv : hyper) hp.push_back(HyperParam{kv.first.c_str(), kv.second});
     a.hyper = hp.data();
     a.num_hyper = (int)hp.size();
     a.num_threads = at::get_num_threads();
-    if (a.numel == 0) return;
-    StepStatus st = isa == "avx512" ? step_avx512(a) : isa == "avx2" ? step_avx2(a) : step_scalar(a);
+    return a;
+}
+
+std::vector<HyperParam> hyper_params(const std::map<std::string, double>& hyper) {
+    std::vector<HyperParam> hp;
+    for (const auto& kv : hyper) hp.push_back(HyperParam{kv.first.c_str(), kv.second});
+    return hp;
+}
+
+void run_step(const std::string& isa, const std::string& rule, const std::vector<StepArgs>& args,
+              const torch::Tensor& param, const torch::Tensor& grad) {
+    if (args.empty()) return;
+    const int count = (int)args.size();
+    StepStatus st = isa == "avx512" ? step_avx512(args.data(), count)
+                    : isa == "avx2" ? step_avx2(args.data(), count)
+                                    : step_scalar(args.data(), count);
     TORCH_CHECK_VALUE(st.code != StepStatus::kMissingHyper, "update rule '", rule, "' needs hyperparameter '",
                       st.missing, "'");
     TORCH_CHECK_VALUE(st.code == StepStatus::kOk, "no CPU kernel for update rule '", rule, "' with param ",
                       param.scalar_type(), " and grad ", grad.scalar_type(),
                       " (grad must have the param's dtype or float32)");
+}
+
+void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
+          std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes,
+          std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
+    check_isa(isa);
+    check_block_size(block_size);
+    const auto hp = hyper_params(hyper);
+    std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(codes, lookups), block_size, hp)};
+    if (args[0].numel == 0) args.clear();
+    run_step(isa, rule, args, param, grad);
+}
+
+// The step of many tensors in one call (one parallel loop over all their blocks). They share the
+// rule, maps, block size and hyperparameters, and all params (and all grads) have one dtype.
+// Everything is checked before anything is written.
+void step_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
+               std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
+               std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> codes,
+               std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
+    check_isa(isa);
+    check_block_size(block_size);
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
+                      "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
+                      grads.size(), ", ", states.size(), " and ", absmax.size());
+    const auto hp = hyper_params(hyper);
+    const StepMaps maps = step_maps(codes, lookups);
+    std::vector<StepArgs> args;
+    args.reserve(n);
+    for (size_t t = 0; t < n; ++t) {
+        StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], maps, block_size, hp);
+        if (t > 0) {
+            TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
+                                  grads[t].scalar_type() == grads[0].scalar_type(),
+                              "step_many needs one param dtype and one grad dtype; tensor ", t, " has ",
+                              params[t].scalar_type(), "/", grads[t].scalar_type(), ", tensor 0 has ",
+                              params[0].scalar_type(), "/", grads[0].scalar_type());
+        }
+        if (a.numel > 0) args.push_back(a);
+    }
+    if (n == 0) return;
+    run_step(isa, rule, args, params[0], grads[0]);
 }
 
 std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor& x, const torch::Tensor& code,
@@ -189,37 +265,44 @@ torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, con
 // temporary. torch's isfinite(g).all() writes and rereads a bool tensor a quarter of the size of an
 // fp32 gradient and costs a sizeable part of a memory-bound 8-bit step.
 template <class W>
-bool words_all_finite(const W* x, int64_t n, W exponent, int threads) {
-    constexpr int64_t kChunk = 1 << 16;
-    const int64_t chunks = (n + kChunk - 1) / kChunk;
+bool words_finite(const W* x, int64_t n, W exponent) {
     int bad = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : bad)
-    for (int64_t c = 0; c < chunks; ++c) {
-        const W* q = x + c * kChunk;
-        const int64_t len = c + 1 < chunks ? kChunk : n - c * kChunk;
-        int chunk_bad = 0;
-        for (int64_t i = 0; i < len; ++i) chunk_bad |= (W)(q[i] & exponent) == exponent;  // vectorizes
-        bad |= chunk_bad;
-    }
+    for (int64_t i = 0; i < n; ++i) bad |= (W)(x[i] & exponent) == exponent;  // vectorizes
     return bad == 0;
 }
 
-// All-finite check of the optimizer's gradients (the default nonfinite="skip" policy).
 bool all_finite(const std::vector<torch::Tensor>& tensors) {
-    const int threads = at::get_num_threads();
+    // Every tensor cut into chunks of 2^16 values; one parallel loop over all chunks of all tensors,
+    // so that many small tensors cost one parallel region.
+    constexpr int64_t kChunk = 1 << 16;
+    struct Piece {
+        const void* x;
+        int64_t n;
+        DType dtype;
+    };
+    std::vector<Piece> pieces;
     for (const auto& t : tensors) {
         check_cpu_contiguous(t, "tensor");
-        const void* x = t.data_ptr();
+        const DType d = dtype_of(t, "tensor");
         const int64_t n = t.numel();
-        bool ok;
-        switch (dtype_of(t, "tensor")) {
-            case DType::kFloat32: ok = words_all_finite(static_cast<const uint32_t*>(x), n, 0x7F800000u, threads); break;
-            case DType::kFloat16: ok = words_all_finite(static_cast<const uint16_t*>(x), n, (uint16_t)0x7C00, threads); break;
-            default: ok = words_all_finite(static_cast<const uint16_t*>(x), n, (uint16_t)0x7F80, threads); break;
-        }
-        if (!ok) return false;
+        const int width = d == DType::kFloat32 ? 4 : 2;
+        for (int64_t s = 0; s < n; s += kChunk)
+            pieces.push_back(Piece{static_cast<const char*>(t.data_ptr()) + s * width, std::min(kChunk, n - s), d});
     }
-    return true;
+    const int64_t count = (int64_t)pieces.size();
+    int bad = 0;
+#pragma omp parallel for num_threads(at::get_num_threads()) schedule(static) reduction(| : bad)
+    for (int64_t c = 0; c < count; ++c) {
+        const Piece& q = pieces[c];
+        bool ok;
+        switch (q.dtype) {
+            case DType::kFloat32: ok = words_finite(static_cast<const uint32_t*>(q.x), q.n, 0x7F800000u); break;
+            case DType::kFloat16: ok = words_finite(static_cast<const uint16_t*>(q.x), q.n, (uint16_t)0x7C00); break;
+            default: ok = words_finite(static_cast<const uint16_t*>(q.x), q.n, (uint16_t)0x7F80); break;
+        }
+        bad |= ok ? 0 : 1;
+    }
+    return bad == 0;
 }
 
 // Whether the AVX-512 driver searches this map without the lookup table (q8_fastmap.h).
@@ -250,6 +333,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
+    m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place");
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
     m.def("fast_search", &ds_q8::fast_search, "True when the AVX-512 step searches this map without the table");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,

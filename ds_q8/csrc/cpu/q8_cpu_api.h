@@ -53,7 +53,7 @@ struct StepStatus {
 
 // Each instruction set provides these. No exceptions cross this boundary.
 #define Q8_DECLARE_ISA(isa)                                   \
-    StepStatus step_##isa(const StepArgs& args);                              \
+    StepStatus step_##isa(const StepArgs* args, int count);                   \
     void quantize_##isa(const QuantizeArgs& args);            \
     void dequantize_##isa(const QuantizeArgs& args);
 

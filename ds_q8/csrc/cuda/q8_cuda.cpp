@@ -35,10 +35,9 @@ void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_
     binding::check_codes(codes, absmax, numel, block_size, "codes");
 }
 
-void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
-          std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups,
-          int64_t block_size, const std::map<std::string, double>& hyper) {
-    check_block_size(block_size);
+void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std::vector<torch::Tensor>& states,
+                const std::vector<torch::Tensor>& absmax, const std::vector<torch::Tensor>& codes,
+                const std::vector<torch::Tensor>& lookups, int64_t block_size) {
     const auto device = param.device();
     check_cuda(param, "param", device);
     check_cuda(grad, "grad", device);
@@ -51,7 +50,39 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
         check_codes(states[i], absmax[i], param.numel(), block_size, device);
         check_map(codes[i], &lookups[i], device);
     }
+}
+
+void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
+          std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups,
+          int64_t block_size, const std::map<std::string, double>& hyper) {
+    check_block_size(block_size);
+    check_step(param, grad, states, absmax, codes, lookups, block_size);
     cuda_step(StepTensors{rule, param, grad, states, absmax, codes, lookups, block_size}, hyper);
+}
+
+// Many tensors that share the rule, maps, block size and hyperparameters: all are checked first,
+// then launched back to back on the current stream from C++ (no per-tensor Python work).
+void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+               std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
+               std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups, int64_t block_size,
+               const std::map<std::string, double>& hyper) {
+    check_block_size(block_size);
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
+                      "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
+                      grads.size(), ", ", states.size(), " and ", absmax.size());
+    for (size_t t = 0; t < n; ++t) {
+        check_step(params[t], grads[t], states[t], absmax[t], codes, lookups, block_size);
+        // one dtype pair, so that a pair without a kernel fails on the first tensor, before any launch
+        TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
+                              grads[t].scalar_type() == grads[0].scalar_type(),
+                          "step_many needs one param dtype and one grad dtype; tensor ", t, " has ",
+                          params[t].scalar_type(), "/", grads[t].scalar_type(), ", tensor 0 has ",
+                          params[0].scalar_type(), "/", grads[0].scalar_type());
+    }
+    for (size_t t = 0; t < n; ++t)
+        if (params[t].numel() > 0)
+            cuda_step(StepTensors{rule, params[t], grads[t], states[t], absmax[t], codes, lookups, block_size}, hyper);
 }
 
 std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,
@@ -83,6 +114,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
+    m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors from one call, in place");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
 }

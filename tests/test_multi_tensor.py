@@ -1,0 +1,210 @@
+"""Many parameters in one kernel call (``step_many``): same bits as the reference, one call per batch.
+
+The optimizers batch 8-bit parameters that share a group and a step count (hence every
+hyperparameter) and a device and dtypes, and hand each batch to one kernel call; on CPU that is one
+parallel loop over the blocks of all of them.
+"""
+import os
+
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8 import ops
+from ds_q8.op_builder import Q8CPUBuilder
+
+from test_kernels import ISAS, RULES, assert_same_bits
+
+GPU = torch.cuda.is_available()
+
+SIZES = [0, 1, 63, 64, 2048, 2049, 5000, 3 * 2048 + 7]
+
+
+@pytest.fixture(scope="module")
+def cpu_op():
+    return Q8CPUBuilder().load()
+
+
+def make_params(device, seed=0, dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(SIZES * 2):
+        dtype = dtypes[i % len(dtypes)]
+        out.append(torch.nn.Parameter(torch.randn(n, generator=gen).to(device=device, dtype=dtype)))
+    return out
+
+
+def run_pair(cls, kw, device="cpu", steps=4):
+    pk, pr = make_params(device), make_params(device)
+    common = dict(block_size=2048, min_8bit_size=0, **kw)
+    ok, orf = cls(pk, **common), cls(pr, **common)
+    gen = torch.Generator().manual_seed(1)
+    for s in range(steps):
+        for i, (a, b) in enumerate(zip(pk, pr)):
+            if s == 0 and i % 5 == 0:  # these start a step later: another step count, another batch
+                a.grad = b.grad = None
+                continue
+            g = (torch.randn(a.numel(), generator=gen) * 10.0 ** (s % 3 - 1)).to(device=device, dtype=a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        ok.step()
+        os.environ["DS_Q8_KERNELS"] = "0"
+        try:
+            orf.step()
+        finally:
+            del os.environ["DS_Q8_KERNELS"]
+    return (pk, ok), (pr, orf)
+
+
+def assert_same(kernel, reference):
+    (pk, ok), (pr, orf) = kernel, reference
+    for i, (a, b) in enumerate(zip(pk, pr)):
+        assert_same_bits(a.data, b.data, f"param {i}")
+        sk, sr = ok.state[a], orf.state[b]
+        assert sk.keys() == sr.keys()
+        for key in sk:
+            if torch.is_tensor(sk[key]):
+                assert_same_bits(sk[key], sr[key], f"param {i} {key}")
+            else:
+                assert sk[key] == sr[key], (i, key)
+
+
+@pytest.fixture
+def isa(request, monkeypatch):
+    monkeypatch.setenv("DS_Q8_CPU_ISA", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", ["adamw", "momentum", "lion", "rmsprop_momentum"])
+def test_many_params_bit_identical_to_reference(isa, rule):
+    cls, kw = RULES[rule]
+    assert_same(*run_pair(cls, kw))
+
+
+def spy_calls(monkeypatch):
+    calls = []
+    real = ops._call
+
+    def spy(module, name, *args):
+        calls.append((name, len(args[2]) if name == "step_many" else 1))  # args: tensor, rule, params
+        return real(module, name, *args)
+
+    monkeypatch.setattr(ops, "_call", spy)
+    return calls
+
+
+def test_one_call_per_batch(monkeypatch):
+    calls = spy_calls(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(300)) for _ in range(50)]
+    params += [torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16)) for _ in range(7)]
+    opt = ds_q8.AdamW8bitBlock(params, lr=1e-3, min_8bit_size=0, block_size=128)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert sorted(calls) == [("step_many", 7), ("step_many", 50)]
+
+
+def test_whole_tensor_rules_stay_per_tensor(monkeypatch):
+    calls = spy_calls(monkeypatch)
+    params = [torch.nn.Parameter(torch.randn(300)) for _ in range(3)]
+    opt = ds_q8.LAMB8bitBlock(params, lr=1e-3, min_8bit_size=0, block_size=128)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert calls == [("step", 1)] * 3
+
+
+def test_noncontiguous_and_32bit_params_go_their_own_way(monkeypatch):
+    calls = spy_calls(monkeypatch)
+    base = torch.randn(64, 64)
+    strided = torch.nn.Parameter(base.t())  # not contiguous: the reference steps it
+    small = torch.nn.Parameter(torch.randn(10))  # below min_8bit_size: 32-bit state
+    plain = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.AdamW8bitBlock([strided, small, plain], lr=1e-3, min_8bit_size=4096, block_size=128)
+    ref = ds_q8.AdamW8bitBlock([torch.nn.Parameter(strided.detach().clone()),
+                                torch.nn.Parameter(small.detach().clone()),
+                                torch.nn.Parameter(plain.detach().clone())],
+                               lr=1e-3, min_8bit_size=4096, block_size=128)
+    for p, q in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"]):
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step()
+    os.environ["DS_Q8_KERNELS"] = "0"
+    try:
+        ref.step()
+    finally:
+        del os.environ["DS_Q8_KERNELS"]
+    assert ("step_many", 1) in calls
+    for p, q in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"]):
+        assert_same_bits(p.data, q.data, "param")
+
+
+def step_many_args(cpu_op, n_tensors, bad=None):
+    code = [F.create_dynamic_map(True), F.create_dynamic_map(False)]
+    lookups = [cpu_op.build_lookup(c) for c in code]
+    params = [torch.randn(256) for _ in range(n_tensors)]
+    grads = [torch.randn(256) for _ in range(n_tensors)]
+    states = [[torch.full((256,), 127, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)]
+              for _ in range(n_tensors)]
+    absmax = [[torch.zeros(2), torch.zeros(2)] for _ in range(n_tensors)]
+    hyper = dict(beta1=0.9, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.001, eps=1e-8, weight_decay=0.0,
+                 decay_factor=1.0, step_size=1e-3, bias_correction2_sqrt=0.03)
+    return params, grads, states, absmax, code, lookups, hyper
+
+
+@pytest.mark.parametrize("bad", ["state size", "param dtype", "grad size", "list length"])
+def test_step_many_checks_everything_before_writing(cpu_op, bad):
+    params, grads, states, absmax, code, lookups, hyper = step_many_args(cpu_op, 3)
+    if bad == "state size":
+        states[2][1] = torch.zeros(255, dtype=torch.uint8)
+    elif bad == "param dtype":
+        params[2] = params[2].to(torch.bfloat16)
+        grads[2] = grads[2].to(torch.bfloat16)
+    elif bad == "grad size":
+        grads[1] = torch.randn(200)
+    else:
+        grads = grads[:2]
+    before = [p.clone() for p in params]
+    codes_before = [[s.clone() for s in st] for st in states]
+    with pytest.raises(ValueError):
+        cpu_op.step_many(cpu_op.supported_isas()[0], "adamw", params, grads, states, absmax, code, lookups, 128,
+                         hyper)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b)
+    for st, sb in zip(states, codes_before):
+        for s, b in zip(st, sb):
+            if s.shape == b.shape:
+                assert torch.equal(s, b)
+
+
+def test_step_many_missing_hyperparameter_writes_nothing(cpu_op):
+    params, grads, states, absmax, code, lookups, hyper = step_many_args(cpu_op, 2)
+    del hyper["eps"]
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match="needs hyperparameter 'eps'"):
+        cpu_op.step_many("scalar", "adamw", params, grads, states, absmax, code, lookups, 128, hyper)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_step_many_equals_one_call_per_tensor(cpu_op):
+    args = step_many_args(cpu_op, 5)
+    params, grads, states, absmax, code, lookups, hyper = args
+    singles = [p.clone() for p in params], [[s.clone() for s in st] for st in states], \
+        [[a.clone() for a in am] for am in absmax]
+    isa = cpu_op.supported_isas()[0]
+    cpu_op.step_many(isa, "adamw", params, grads, states, absmax, code, lookups, 128, hyper)
+    for p, g, st, am in zip(singles[0], grads, singles[1], singles[2]):
+        cpu_op.step(isa, "adamw", p, g, st, am, code, lookups, 128, hyper)
+    for i in range(5):
+        assert torch.equal(params[i], singles[0][i])
+        for k in range(2):
+            assert torch.equal(states[i][k], singles[1][i][k])
+            assert torch.equal(absmax[i][k], singles[2][i][k])
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rule", ["adamw", "momentum"])
+def test_cuda_many_params_bit_identical_to_reference(rule):
+    cls, kw = RULES[rule]
+    assert_same(*run_pair(cls, kw, device="cuda"))
