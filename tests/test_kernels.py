@@ -63,6 +63,15 @@ def assert_same_bits(a, b, what):
         assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} differ"
 
 
+def reference_step(opt):
+    """One step of ``opt`` forced onto the pure-PyTorch reference."""
+    os.environ["DS_Q8_KERNELS"] = "0"
+    try:
+        opt.step()
+    finally:
+        del os.environ["DS_Q8_KERNELS"]
+
+
 def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization="dynamic", grads=None, seed=0,
              device="cpu"):
     """Same optimizer twice, once with kernels, once forced onto the reference; returns both."""
@@ -80,11 +89,7 @@ def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization
         g = g.to(device=device, dtype=grad_dtype or dtype)
         pk.grad, pr.grad = g.clone(), g.clone()
         ok.step()
-        os.environ["DS_Q8_KERNELS"] = "0"
-        try:
-            orf.step()
-        finally:
-            del os.environ["DS_Q8_KERNELS"]
+        reference_step(orf)
     return (pk, ok), (pr, orf)
 
 

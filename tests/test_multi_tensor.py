@@ -4,8 +4,6 @@ The optimizers batch 8-bit parameters that share a group and a step count (hence
 hyperparameter) and a device and dtypes, and hand each batch to one kernel call; on CPU that is one
 parallel loop over the blocks of all of them.
 """
-import os
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 
-from test_kernels import ISAS, RULES, assert_same_bits
+from test_kernels import ISAS, RULES, assert_same_bits, reference_step
 
 GPU = torch.cuda.is_available()
 
@@ -48,11 +46,7 @@ def run_pair(cls, kw, device="cpu", steps=4):
             g = (torch.randn(a.numel(), generator=gen) * 10.0 ** (s % 3 - 1)).to(device=device, dtype=a.dtype)
             a.grad, b.grad = g.clone(), g.clone()
         ok.step()
-        os.environ["DS_Q8_KERNELS"] = "0"
-        try:
-            orf.step()
-        finally:
-            del os.environ["DS_Q8_KERNELS"]
+        reference_step(orf)
     return (pk, ok), (pr, orf)
 
 
@@ -130,11 +124,7 @@ def test_noncontiguous_and_32bit_params_go_their_own_way(monkeypatch):
         p.grad = torch.randn_like(p)
         q.grad = p.grad.clone()
     opt.step()
-    os.environ["DS_Q8_KERNELS"] = "0"
-    try:
-        ref.step()
-    finally:
-        del os.environ["DS_Q8_KERNELS"]
+    reference_step(ref)
     assert ("step_many", 1) in calls
     for p, q in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"]):
         assert_same_bits(p.data, q.data, "param")
