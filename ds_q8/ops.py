@@ -170,6 +170,37 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
     return rest
 
 
+def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
+    """The same fused step for CPU parameters whose state is float32 (``optim_bits=32`` or below
+    ``min_8bit_size``), batched like :func:`fused_step_many`. Returns the items it did not step."""
+    rule = getattr(optimizer, "update_rule", "")
+    if not rule or not kernels_enabled():
+        return list(items)
+    module = load_op("cpu")
+    if module is None or not hasattr(module, "step_fp32_many") or rule not in module.rules():
+        return list(items)
+    state_keys = _STATE_KEYS[len(optimizer.state_signed)][0]
+    batches: Dict[tuple, tuple] = {}
+    rest = []
+    for item in items:
+        p, grad, st = item
+        pd, gd = p.dtype, grad.dtype
+        if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
+                or not p.is_contiguous() or not all(st[key].is_contiguous() for key in state_keys)):
+            rest.append(item)
+            continue
+        batch = batches.get((pd, gd))
+        if batch is None:
+            batch = batches[(pd, gd)] = ([], [], [])
+        batch[0].append(p)
+        batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
+        batch[2].append([st[key] for key in state_keys])
+    isa = cpu_isa(module) if batches else None
+    for params, grads, states in batches.values():
+        module.step_fp32_many(isa, rule, params, grads, states, dict(hyper))
+    return rest
+
+
 def cpu_all_finite(tensors) -> Optional[bool]:
     """Whether CPU tensors hold only finite values, in one compiled read; None where it does not apply.
 
@@ -215,4 +246,4 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Option
     return out.view(codes.shape)
 
 
-__all__ = ["fused_step", "fused_step_many", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]
+__all__ = ["fused_step", "fused_step_many", "fused_step_fp32_many", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]

@@ -198,3 +198,54 @@ def test_step_many_equals_one_call_per_tensor(cpu_op):
 def test_cuda_many_params_bit_identical_to_reference(rule):
     cls, kw = RULES[rule]
     assert_same(*run_pair(cls, kw, device="cuda"))
+
+
+# ---------------------------------------------------------------------------- float32 states
+
+def run_pair_32bit(cls, kw, steps=3):
+    pk, pr = make_params("cpu"), make_params("cpu")
+    common = dict(optim_bits=32, **kw)
+    ok, orf = cls(pk, **common), cls(pr, **common)
+    gen = torch.Generator().manual_seed(2)
+    for s in range(steps):
+        for a, b in zip(pk, pr):
+            g = (torch.randn(a.numel(), generator=gen) * 10.0 ** (s % 3 - 1)).to(a.dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        ok.step()
+        reference_step(orf)
+    return (pk, ok), (pr, orf)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", [r for r in RULES if not RULES[r][0].needs_norms])
+def test_32bit_state_fused_step_bit_identical_to_reference(isa, rule, monkeypatch):
+    calls = []
+    real = ops.fused_step_fp32_many
+
+    def spy(opt, items, group, h):
+        rest = real(opt, items, group, h)
+        calls.append(len(items) - len(rest))
+        return rest
+
+    monkeypatch.setattr(ops, "fused_step_fp32_many", spy)
+    cls, kw = RULES[rule]
+    (pk, ok), (pr, orf) = run_pair_32bit(cls, kw)
+    assert sum(calls) > 0  # the kernel really stepped them
+    for i, (a, b) in enumerate(zip(pk, pr)):
+        assert_same_bits(a.data, b.data, f"param {i}")
+        for key, value in ok.state[a].items():
+            if torch.is_tensor(value):
+                assert value.dtype == torch.float32
+                assert_same_bits(value, orf.state[b][key], f"param {i} {key}")
+
+
+def test_state_count_must_match_the_rule(cpu_op):
+    p, g = torch.randn(64), torch.randn(64)
+    hyper = dict(beta1=0.9, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.001, eps=1e-8, weight_decay=0.0,
+                 decay_factor=1.0, step_size=1e-3, bias_correction2_sqrt=0.03)
+    with pytest.raises(ValueError, match="different number of states"):
+        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64)]], hyper)
+    before = p.clone()
+    with pytest.raises(ValueError, match="float32 state must have"):
+        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64), torch.zeros(63)]], hyper)
+    assert torch.equal(p, before)

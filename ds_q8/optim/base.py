@@ -288,18 +288,24 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 self._check_whole_tensors(group)
                 h = self._norm_hyper(h, self._tensor_norms(p, grad, state, group, h))
                 self._step_param(p, grad, state, group, h)
-            elif (p.is_cpu or p.is_cuda) and self.is_8bit_state(state):
-                batch = batches.get(hkey)
+            elif p.is_cpu or p.is_cuda:
+                eight = self.is_8bit_state(state)
+                if not eight and p.is_cuda:
+                    self._step_param(p, grad, state, group, h)
+                    continue
+                key = hkey + (eight,)
+                batch = batches.get(key)
                 if batch is None:
-                    batch = batches[hkey] = (group, h, [])
-                batch[2].append((p, grad, state))
+                    batch = batches[key] = (group, h, eight, [])
+                batch[3].append((p, grad, state))
             else:
                 self._step_param(p, grad, state, group, h)
         if batches:
             from .. import ops
 
-            for group, h, items in batches.values():
-                for p, grad, state in ops.fused_step_many(self, items, group, h):
+            for group, h, eight, items in batches.values():
+                fused = ops.fused_step_many if eight else ops.fused_step_fp32_many
+                for p, grad, state in fused(self, items, group, h):
                     self._step_param(p, grad, state, group, h)
         return loss
 

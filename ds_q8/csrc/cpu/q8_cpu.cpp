@@ -81,6 +81,9 @@ const FastMap* fast_map_for(const torch::Tensor& code) {
     std::lock_guard<std::mutex> lock(mu);
     for (const auto& e : cache)
         if (e.bits == key) return e.ok ? &e.map : nullptr;
+    // Entries are never freed (a running step may hold one); past this many distinct maps, which
+    // the optimizers never reach (they use at most four), the lookup table serves the rest.
+    if (cache.size() >= 64) return nullptr;
     cache.emplace_back();
     Entry& e = cache.back();
     e.bits = key;
@@ -117,17 +120,13 @@ StepMaps step_maps(const std::vector<torch::Tensor>& codes, const std::vector<to
     return m;
 }
 
-// One tensor's part of a step, checked. The maps, block size and hyperparameters are shared.
-StepArgs step_args(const std::string& rule, const torch::Tensor& param, const torch::Tensor& grad,
-                   const std::vector<torch::Tensor>& states, const std::vector<torch::Tensor>& absmax,
-                   const StepMaps& maps, int64_t block_size, const std::vector<HyperParam>& hp) {
+// The fields of one tensor's part of a step that do not depend on how its state is stored, checked.
+StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const torch::Tensor& grad, size_t k,
+                     int64_t block_size, const std::vector<HyperParam>& hp) {
     check_cpu_contiguous(param, "param");
     check_cpu_contiguous(grad, "grad");
     TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
                       param.numel());
-    const size_t k = maps.k;
-    TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k,
-                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
     StepArgs a{};
     a.rule = rule.c_str();
     a.param = param.data_ptr();
@@ -136,6 +135,31 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
     a.grad_dtype = dtype_of(grad, "grad");
     a.numel = param.numel();
     a.block_size = block_size;
+    a.num_states = (int)k;
+    a.hyper = hp.data();
+    a.num_hyper = (int)hp.size();
+    a.num_threads = at::get_num_threads();
+    return a;
+}
+
+// A call over many tensors needs one param dtype and one grad dtype.
+void check_same_dtypes(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, size_t t,
+                       const char* what) {
+    TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
+                          grads[t].scalar_type() == grads[0].scalar_type(),
+                      what, " needs one param dtype and one grad dtype; tensor ", t, " has ", params[t].scalar_type(),
+                      "/", grads[t].scalar_type(), ", tensor 0 has ", params[0].scalar_type(), "/",
+                      grads[0].scalar_type());
+}
+
+// One tensor's part of a step, checked. The maps, block size and hyperparameters are shared.
+StepArgs step_args(const std::string& rule, const torch::Tensor& param, const torch::Tensor& grad,
+                   const std::vector<torch::Tensor>& states, const std::vector<torch::Tensor>& absmax,
+                   const StepMaps& maps, int64_t block_size, const std::vector<HyperParam>& hp) {
+    const size_t k = maps.k;
+    StepArgs a = tensor_args(rule, param, grad, k, block_size, hp);
+    TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k,
+                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], a.numel, block_size, "state");
         a.codes[i] = states[i].data_ptr<uint8_t>();
@@ -144,9 +168,6 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
         a.lookup[i] = maps.lookup[i];
         a.fast[i] = maps.fast[i];
     }
-    a.hyper = hp.data();
-    a.num_hyper = (int)hp.size();
-    a.num_threads = at::get_num_threads();
     return a;
 }
 
@@ -165,6 +186,8 @@ void run_step(const std::string& isa, const std::string& rule, const std::vector
                                     : step_scalar(args.data(), count);
     TORCH_CHECK_VALUE(st.code != StepStatus::kMissingHyper, "update rule '", rule, "' needs hyperparameter '",
                       st.missing, "'");
+    TORCH_CHECK_VALUE(st.code != StepStatus::kWrongStates, "update rule '", rule, "' keeps a different number of ",
+                      "states than the ", args[0].num_states, " given");
     TORCH_CHECK_VALUE(st.code == StepStatus::kOk, "no CPU kernel for update rule '", rule, "' with param ",
                       param.scalar_type(), " and grad ", grad.scalar_type(),
                       " (grad must have the param's dtype or float32)");
@@ -200,12 +223,41 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], maps, block_size, hp);
-        if (t > 0) {
-            TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
-                                  grads[t].scalar_type() == grads[0].scalar_type(),
-                              "step_many needs one param dtype and one grad dtype; tensor ", t, " has ",
-                              params[t].scalar_type(), "/", grads[t].scalar_type(), ", tensor 0 has ",
-                              params[0].scalar_type(), "/", grads[0].scalar_type());
+        check_same_dtypes(params, grads, t, "step_many");
+        if (a.numel > 0) args.push_back(a);
+    }
+    if (n == 0) return;
+    run_step(isa, rule, args, params[0], grads[0]);
+}
+
+// The same fused step for tensors whose states are float32 (optim_bits=32, or tensors below
+// min_8bit_size): states[t] holds the 1 or 2 float32 states of tensor t, updated in place.
+void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
+                    std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
+                    const std::map<std::string, double>& hyper) {
+    check_isa(isa);
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(grads.size() == n && states.size() == n,
+                      "params, grads and states must be lists of the same length, got ", n, ", ", grads.size(),
+                      " and ", states.size());
+    const auto hp = hyper_params(hyper);
+    std::vector<StepArgs> args;
+    args.reserve(n);
+    for (size_t t = 0; t < n; ++t) {
+        const torch::Tensor& param = params[t];
+        const size_t k = states[t].size();
+        TORCH_CHECK_VALUE(k >= 1 && k <= 2 && k == states[0].size(), "every tensor needs the same 1 or 2 states, ",
+                          "tensor ", t, " has ", k);
+        StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
+        check_same_dtypes(params, grads, t, "step_fp32_many");
+        a.fp32_states = true;
+        for (size_t i = 0; i < k; ++i) {
+            const torch::Tensor& st = states[t][i];
+            check_cpu_contiguous(st, "state");
+            TORCH_CHECK_VALUE(st.scalar_type() == torch::kFloat32 && st.numel() == param.numel(),
+                              "a float32 state must have the param's ", param.numel(), " elements, got ",
+                              st.numel(), " of ", st.scalar_type());
+            a.states32[i] = st.data_ptr<float>();
         }
         if (a.numel > 0) args.push_back(a);
     }
@@ -334,6 +386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place");
+    m.def("step_fp32_many", &ds_q8::step_fp32_many,
+          "the same fused step for tensors with float32 states (optim_bits=32), in place");
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
     m.def("fast_search", &ds_q8::fast_search, "True when the AVX-512 step searches this map without the table");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,

@@ -28,6 +28,9 @@ struct StepArgs {
     const float* code[2];      // the 256-entry map of each state
     const uint32_t* lookup[2]; // q8_build_lookup table of each map
     const FastMap* fast[2];    // its segment tables, or null (q8_build_fastmap)
+    int num_states;            // 1 or 2: must be the rule's
+    bool fp32_states;          // states are float32 (below): no codes, maps or absmax
+    float* states32[2];
     const HyperParam* hyper;
     int num_hyper;
     int num_threads;
@@ -47,7 +50,7 @@ struct QuantizeArgs {
 };
 
 struct StepStatus {
-    enum Code { kOk, kUnsupported, kMissingHyper } code;
+    enum Code { kOk, kUnsupported, kMissingHyper, kWrongStates } code;
     const char* missing;       // the hyperparameter name, for kMissingHyper
 };
 

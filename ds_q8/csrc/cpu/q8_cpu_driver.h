@@ -123,14 +123,62 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
     delete[] first_block;
 }
 
+// The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): loaded, updated
+// and stored as they are, in spans of kSpan values over all tensors of the call.
+template <class I, class Rule, class P, class G>
+void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
+    constexpr int K = Rule::kStates;
+    constexpr int W = I::W;
+    constexpr int64_t kSpan = 4096;
+    using V = typename I::V;
+    int64_t* first_span = new int64_t[count + 1];
+    first_span[0] = 0;
+    for (int t = 0; t < count; ++t) first_span[t + 1] = first_span[t] + (args[t].numel + kSpan - 1) / kSpan;
+    const int64_t total = first_span[count];
+#pragma omp parallel num_threads(args[0].num_threads)
+    {
+        int t = 0;
+#pragma omp for schedule(static)
+        for (int64_t global = 0; global < total; ++global) {
+            while (global >= first_span[t + 1]) ++t;
+            if (global < first_span[t]) {
+                t = 0;
+                while (global >= first_span[t + 1]) ++t;
+            }
+            const StepArgs& a = args[t];
+            P* param = static_cast<P*>(a.param);
+            const G* grad = static_cast<const G*>(a.grad);
+            const int64_t start = (global - first_span[t]) * kSpan;
+            const int len = (int)q8_min(kSpan, a.numel - start);
+            for (int i = 0; i < len; i += W) {
+                const int cnt = (int)q8_min(W, len - i);
+                V p = I::load(param + start + i, cnt);
+                V g = I::load(grad + start + i, cnt);
+                V s[K];
+                for (int k = 0; k < K; ++k) s[k] = I::load(a.states32[k] + start + i, cnt);
+                rule(p, g, s);
+                I::store(param + start + i, p, cnt);
+                for (int k = 0; k < K; ++k) I::store(a.states32[k] + start + i, s[k], cnt);
+            }
+        }
+    }
+    delete[] first_span;
+}
+
+template <class I, class Rule, class P, class G>
+void step_any_state(const StepArgs* args, int count, const Rule& rule) {
+    if (args[0].fp32_states) step_fp32_blocks<I, Rule, P, G>(args, count, rule);
+    else step_blocks<I, Rule, P, G>(args, count, rule);
+}
+
 template <class I, class Rule>
 bool step_dtypes(const StepArgs* args, int count, const Rule& rule) {
     const DType p = args[0].param_dtype, g = args[0].grad_dtype;
-    if (p == DType::kFloat32 && g == DType::kFloat32) return step_blocks<I, Rule, float, float>(args, count, rule), true;
-    if (p == DType::kFloat16 && g == DType::kFloat16) return step_blocks<I, Rule, q8_half, q8_half>(args, count, rule), true;
-    if (p == DType::kBFloat16 && g == DType::kBFloat16) return step_blocks<I, Rule, q8_bf16, q8_bf16>(args, count, rule), true;
-    if (p == DType::kFloat16 && g == DType::kFloat32) return step_blocks<I, Rule, q8_half, float>(args, count, rule), true;
-    if (p == DType::kBFloat16 && g == DType::kFloat32) return step_blocks<I, Rule, q8_bf16, float>(args, count, rule), true;
+    if (p == DType::kFloat32 && g == DType::kFloat32) return step_any_state<I, Rule, float, float>(args, count, rule), true;
+    if (p == DType::kFloat16 && g == DType::kFloat16) return step_any_state<I, Rule, q8_half, q8_half>(args, count, rule), true;
+    if (p == DType::kBFloat16 && g == DType::kBFloat16) return step_any_state<I, Rule, q8_bf16, q8_bf16>(args, count, rule), true;
+    if (p == DType::kFloat16 && g == DType::kFloat32) return step_any_state<I, Rule, q8_half, float>(args, count, rule), true;
+    if (p == DType::kBFloat16 && g == DType::kFloat32) return step_any_state<I, Rule, q8_bf16, float>(args, count, rule), true;
     return false;
 }
 
@@ -148,6 +196,7 @@ StepStatus step_any_rule(const StepArgs* args, int count) {
     if (strcmp(a.rule, NAME) == 0) {                                              \
         RULE rule(get);                                                           \
         if (missing) return StepStatus{StepStatus::kMissingHyper, missing};       \
+        if (a.num_states != RULE::kStates) return StepStatus{StepStatus::kWrongStates, nullptr}; \
         bool ok = step_dtypes<I>(args, count, rule);                              \
         return StepStatus{ok ? StepStatus::kOk : StepStatus::kUnsupported, nullptr}; \
     }
