@@ -47,10 +47,22 @@ def barrier() -> None:
         dist.barrier()
 
 
+def release_shm_buffer() -> None:
+    """Remove this rank's /dev/shm all-reduce buffer (66 MiB) that DeepSpeed's CPU backend creates
+    and never unlinks. Call once no rank will communicate again: the name goes, open mappings stay."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{os.environ.get('RANK', '0')}")
+    try:
+        os.unlink(name)
+    except OSError:
+        pass  # not created (GPU backends, ranks on several hosts) or already gone
+
+
 def shutdown() -> None:
     # With gloo, a rank that exits while others still tear down can abort; meet first.
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
+        release_shm_buffer()
         dist.destroy_process_group()

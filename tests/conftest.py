@@ -9,3 +9,32 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIXES = ("deepspeed_allreduce_buffer_", "mpich_shm_")
+
+
+def _deepspeed_shm_buffers():
+    import os
+
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)}
+    except OSError:
+        return set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves a 66 MiB /dev/shm buffer per rank per port when a process
+    exits or is killed (and MPICH a 2 MiB one per mpirun job); the multi-rank tests launch dozens of
+    jobs. Remove the ones this session created (only those: other jobs may own the rest)."""
+    import os
+
+    before = _deepspeed_shm_buffers()
+    yield
+    for name in _deepspeed_shm_buffers() - before:
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except OSError:
+            pass
