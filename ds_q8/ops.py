@@ -7,6 +7,8 @@ to the pure-PyTorch reference, which gives the same result more slowly, and one 
 Environment:
   DS_Q8_KERNELS=0        always use the reference (no warning)
   DS_Q8_CPU_ISA=NAME     force the CPU instruction set: avx512, avx2 or scalar
+  DS_Q8_FAST_SEARCH=0    AVX-512: find nearest codes with the lookup table instead of the
+                         segment search (csrc/cpu/q8_fastmap.h); same codes, slower
 """
 from __future__ import annotations
 

@@ -97,3 +97,17 @@ def test_typical_state_values_match_the_reference(name):
     got = ops.quantize_blockwise(x, code, 2048)
     assert torch.equal(got[1], want[1])
     assert torch.equal(got[0], want[0])
+
+
+def test_environment_switch_forces_the_table():
+    import os
+    import subprocess
+    import sys
+
+    script = ("from ds_q8 import functional as F\n"
+              "from ds_q8.op_builder import Q8CPUBuilder\n"
+              "print(Q8CPUBuilder().load().fast_search(F.create_dynamic_map(True)))\n")
+    env = dict(os.environ, DS_Q8_FAST_SEARCH="0")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
