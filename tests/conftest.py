@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -16,8 +18,6 @@ SHM_PREFIXES = ("deepspeed_allreduce_buffer_", "mpich_shm_")
 
 
 def _deepspeed_shm_buffers():
-    import os
-
     try:
         return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIXES)}
     except OSError:
@@ -29,8 +29,6 @@ def remove_deepspeed_shm_buffers():
     """DeepSpeed's CPU all-reduce leaves a 66 MiB /dev/shm buffer per rank per port when a process
     exits or is killed (and MPICH a 2 MiB one per mpirun job); the multi-rank tests launch dozens of
     jobs. Remove the ones this session created (only those: other jobs may own the rest)."""
-    import os
-
     before = _deepspeed_shm_buffers()
     yield
     for name in _deepspeed_shm_buffers() - before:

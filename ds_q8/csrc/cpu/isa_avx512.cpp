@@ -1,8 +1,8 @@
 // AVX-512 traits for the CPU driver (16 lanes, masked loads/stores for partial blocks).
 // Needs AVX512-VBMI too: codes are dequantized 64 at a time with byte permutes instead of gathers,
 // which are slow on some CPUs (about 1.2 cycles per element on AMD Zen 4).
-// Every header that defines inline code is included before the target pragma, so that only
-// this file's own functions are compiled for AVX-512.
+// System headers come before the target pragma; the project's headers come after it and give their
+// helpers internal linkage, so this file's AVX-512 copies never replace another file's.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -139,11 +139,13 @@ struct Avx512 {
         return m > 0x7F800000u ? NAN : q8_float(m);
     }
 
-    // 16 scaled values by the lookup table: one gather.
+    // 16 scaled values by the lookup table: one gather (q8_quantize_scaled without its NaN case).
     static __m512i lookup16(__m512 y, const uint32_t* lookup) {
         const __m512i u = _mm512_castps_si512(y);
         const __m512i key = _mm512_xor_si512(u, _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32((int)0x80000000u)));
-        const __m512i entry = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), (const int*)lookup - kLookupLow, 4);
+        __m512i hi = _mm512_srli_epi32(key, 16);
+        hi = _mm512_min_epi32(_mm512_max_epi32(hi, _mm512_set1_epi32(kLookupLow)), _mm512_set1_epi32(kLookupHigh));
+        const __m512i entry = _mm512_i32gather_epi32(hi, (const int*)lookup - kLookupLow, 4);
         return _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(key, _mm512_set1_epi32(0xFFFF))), 16);
     }
 
@@ -247,15 +249,8 @@ struct Avx512 {
     }
 
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
-        const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-        __m512 y = _mm512_mul_ps(x.v, _mm512_set1_ps(scale));
-        __m512i u = _mm512_castps_si512(y);
-        __m512i flip = _mm512_or_si512(_mm512_srai_epi32(u, 31), _mm512_set1_epi32((int)0x80000000u));
-        __m512i key = _mm512_xor_si512(u, flip);
-        __m512i hi = _mm512_srli_epi32(key, 16);
-        hi = _mm512_min_epi32(_mm512_max_epi32(hi, _mm512_set1_epi32(kLookupLow)), _mm512_set1_epi32(kLookupHigh));
-        __m512i entry = _mm512_i32gather_epi32(hi, (const int*)lookup - kLookupLow, 4);
-        __m512i idx = _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(key, low16)), 16);
+        const __m512 y = _mm512_mul_ps(x.v, _mm512_set1_ps(scale));
+        __m512i idx = lookup16(y, lookup);
         idx = _mm512_mask_mov_epi32(idx, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(255));
         _mm512_mask_cvtepi32_storeu_epi8(out, mask(cnt), idx);
     }
@@ -270,10 +265,11 @@ Q8_DEFINE_ISA(avx512, Avx512)
 
 namespace ds_q8 {
 // Every float in [-limit, limit] through the segment search, against the lookup table.
-int64_t fast_search_mismatches_avx512(const float* code, const uint32_t* lookup, const FastMap& m, float limit,
-                                      int num_threads) {
+int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads) {
     const uint32_t top = q8_bits(limit);
     const int64_t chunks = ((int64_t)top + 64) / 64;
+    const Avx512::FastRegs r = Avx512::load_fast(m);
+    const __m512 one = _mm512_set1_ps(1.0f);
     int64_t bad = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
     for (int64_t c = 0; c < 2 * chunks; ++c) {
@@ -285,13 +281,10 @@ int64_t fast_search_mismatches_avx512(const float* code, const uint32_t* lookup,
             const int64_t b = first + i;
             y[i] = q8_float(sign | (uint32_t)(b > (int64_t)top ? top : b));
         }
-        const Avx512::FastRegs r = Avx512::load_fast(m);
-        const __m512 one = _mm512_set1_ps(1.0f);
         _mm512_store_si512(got, m.is_signed ? Avx512::fast64<true>(y, one, r, lookup)
                                             : Avx512::fast64<false>(y, one, r, lookup));
         for (int i = 0; i < 64; ++i) bad += got[i] != q8_quantize_scaled(y[i], lookup);
     }
-    (void)code;
     return bad;
 }
 }  // namespace ds_q8

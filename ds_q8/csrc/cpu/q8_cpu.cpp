@@ -53,6 +53,7 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
 }
 
 using binding::check_block_size;
+using binding::check_same_dtypes;
 
 void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
     check_cpu_contiguous(code, "code");
@@ -140,16 +141,6 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
     a.num_hyper = (int)hp.size();
     a.num_threads = at::get_num_threads();
     return a;
-}
-
-// A call over many tensors needs one param dtype and one grad dtype.
-void check_same_dtypes(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads, size_t t,
-                       const char* what) {
-    TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
-                          grads[t].scalar_type() == grads[0].scalar_type(),
-                      what, " needs one param dtype and one grad dtype; tensor ", t, " has ", params[t].scalar_type(),
-                      "/", grads[t].scalar_type(), ", tensor 0 has ", params[0].scalar_type(), "/",
-                      grads[0].scalar_type());
 }
 
 // One tensor's part of a step, checked. The maps, block size and hyperparameters are shared.
@@ -371,8 +362,7 @@ int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& l
     const auto isas = supported_isas();
     if (!m || isas.empty() || isas[0] != "avx512") return -1;
     TORCH_CHECK_VALUE(limit >= 0.0 && limit < 2.0, "limit must be in [0, 2), got ", limit);
-    return fast_search_mismatches_avx512(code.data_ptr<float>(),
-                                         reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), *m,
+    return fast_search_mismatches_avx512(reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), *m,
                                          (float)limit, at::get_num_threads());
 }
 

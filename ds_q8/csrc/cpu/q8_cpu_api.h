@@ -66,7 +66,6 @@ Q8_DECLARE_ISA(scalar)
 
 // Test hook of the AVX-512 segment search: mismatches against the lookup table over every float in
 // [-limit, limit] (scaled values, so limit is a little above 1).
-int64_t fast_search_mismatches_avx512(const float* code, const uint32_t* lookup, const FastMap& m, float limit,
-                                      int num_threads);
+int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads);
 
 }  // namespace ds_q8

@@ -34,6 +34,31 @@ constexpr int kMaxBlock = 4096;
 
 inline int64_t q8_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// The work units (blocks, or spans of `unit` values) of many tensors as one range: prefix sums of
+// the per-tensor unit counts, and the tensor that holds a unit. A static OpenMP schedule hands each
+// thread an increasing range, so `tensor_of` only ever walks forward from the thread's last answer.
+struct UnitRange {
+    int64_t* first;  // first[t] = index of tensor t's first unit; first[count] = total
+    int count;
+
+    UnitRange(const StepArgs* args, int n, int64_t unit) : first(new int64_t[n + 1]), count(n) {
+        first[0] = 0;
+        for (int t = 0; t < n; ++t) {
+            const int64_t u = unit > 0 ? unit : args[t].block_size;
+            first[t + 1] = first[t] + (args[t].numel + u - 1) / u;
+        }
+    }
+    ~UnitRange() { delete[] first; }
+    UnitRange(const UnitRange&) = delete;
+    UnitRange& operator=(const UnitRange&) = delete;
+
+    int64_t total() const { return first[count]; }
+    int tensor_of(int64_t global, int t) const {
+        while (global >= first[t + 1]) ++t;
+        return t;
+    }
+};
+
 // The step of `count` tensors that share a rule, hyperparameters, dtypes and maps (args[0] gives
 // those): one parallel loop over the blocks of all of them, so that many small tensors cost one
 // call and one OpenMP region instead of one each.
@@ -43,11 +68,8 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
     constexpr int W = I::W;
     constexpr int C = I::kChunk;
     using V = typename I::V;
-    int64_t* first_block = new int64_t[count + 1];  // prefix sums of the block counts
-    first_block[0] = 0;
-    for (int t = 0; t < count; ++t)
-        first_block[t + 1] = first_block[t] + (args[t].numel + args[t].block_size - 1) / args[t].block_size;
-    const int64_t total = first_block[count];
+    const UnitRange blocks(args, count, 0);
+    const int64_t total = blocks.total();
 #pragma omp parallel num_threads(args[0].num_threads)
     {
         alignas(64) float tmp[K][kMaxBlock];
@@ -56,13 +78,9 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
         int t = 0;
 #pragma omp for schedule(static)
         for (int64_t global = 0; global < total; ++global) {
-            while (global >= first_block[t + 1]) ++t;  // each thread walks its blocks in order
-            if (global < first_block[t]) {               // (a thread's range never goes back; be safe)
-                t = 0;
-                while (global >= first_block[t + 1]) ++t;
-            }
+            t = blocks.tensor_of(global, t);
             const StepArgs& a = args[t];
-            const int64_t b = global - first_block[t];
+            const int64_t b = global - blocks.first[t];
             P* param = static_cast<P*>(a.param);
             const G* grad = static_cast<const G*>(a.grad);
             const int64_t n = a.numel, bs = a.block_size;
@@ -120,7 +138,6 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
             }
         }
     }
-    delete[] first_block;
 }
 
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): loaded, updated
@@ -131,24 +148,18 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
     constexpr int W = I::W;
     constexpr int64_t kSpan = 4096;
     using V = typename I::V;
-    int64_t* first_span = new int64_t[count + 1];
-    first_span[0] = 0;
-    for (int t = 0; t < count; ++t) first_span[t + 1] = first_span[t] + (args[t].numel + kSpan - 1) / kSpan;
-    const int64_t total = first_span[count];
+    const UnitRange spans(args, count, kSpan);
+    const int64_t total = spans.total();
 #pragma omp parallel num_threads(args[0].num_threads)
     {
         int t = 0;
 #pragma omp for schedule(static)
         for (int64_t global = 0; global < total; ++global) {
-            while (global >= first_span[t + 1]) ++t;
-            if (global < first_span[t]) {
-                t = 0;
-                while (global >= first_span[t + 1]) ++t;
-            }
+            t = spans.tensor_of(global, t);
             const StepArgs& a = args[t];
             P* param = static_cast<P*>(a.param);
             const G* grad = static_cast<const G*>(a.grad);
-            const int64_t start = (global - first_span[t]) * kSpan;
+            const int64_t start = (global - spans.first[t]) * kSpan;
             const int len = (int)q8_min(kSpan, a.numel - start);
             for (int i = 0; i < len; i += W) {
                 const int cnt = (int)q8_min(W, len - i);
@@ -162,7 +173,6 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
             }
         }
     }
-    delete[] first_span;
 }
 
 template <class I, class Rule, class P, class G>

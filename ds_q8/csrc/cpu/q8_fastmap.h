@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "q8_common.h"
+
 namespace ds_q8 {
 
 constexpr float kFastAmbiguous = 1.0f / 4096.0f;  // width of the ambiguous band around a midpoint
@@ -42,29 +44,18 @@ struct FastMap {
     alignas(64) float seg_c[kFastMaxSegments];
     alignas(64) float seg_hi[kFastMaxSegments];
     bool is_signed;
-    int top;  // largest magnitude index
 };
 
-namespace fastmap_detail {
+// Internal linkage, as in q8_common.h: this header is compiled both for the baseline (the builder,
+// in q8_cpu.cpp) and for AVX-512, and the linker must not swap one copy for the other.
+namespace {
 
-inline uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return u;
-}
-inline float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-inline float next_up(float a) { return from_bits(bits(a) + 1u); }  // a >= 0, finite
+inline float q8_next_up(float a) { return q8_float(q8_bits(a) + 1u); }  // a >= 0, finite
 
-}  // namespace fastmap_detail
-
-// The scalar twin of the SIMD search: t2 of a (0 <= a < 2), and from it the magnitude index and
-// whether it is ambiguous.
+// The scalar twin of the SIMD search: t2 of a (0 <= a < 2). floor(t2) is the magnitude index,
+// ambiguous when t2 - floor(t2) < kFastAmbiguous.
 inline float q8_fastmap_t2(const FastMap& m, float a) {
-    uint32_t e = fastmap_detail::bits(a) >> 23;
+    uint32_t e = q8_bits(a) >> 23;
     if (e < (uint32_t)kFastBinadeLow) e = kFastBinadeLow;
     const int b = (int)(e & 31u);
     const int seg = m.bin_seg[b] + (a > m.bin_thr[b] ? 1 : 0);
@@ -72,18 +63,9 @@ inline float q8_fastmap_t2(const FastMap& m, float a) {
     return t2 < m.seg_hi[seg] ? t2 : m.seg_hi[seg];
 }
 
-inline int q8_fastmap_eval(const FastMap& m, float a, bool* ambiguous) {
-    const float t2 = q8_fastmap_t2(m, a);
-    const float fl = floorf(t2);
-    *ambiguous = (t2 - fl) < kFastAmbiguous;
-    return (int)fl;
-}
-
 // Builds the segment tables of a sorted 256-entry map and proves them exact; false when the map
 // has no such structure (the lookup table is used instead).
 inline bool q8_build_fastmap(const float* code, FastMap* out) {
-    using fastmap_detail::bits;
-    using fastmap_detail::next_up;
     FastMap m;
     memset(&m, 0, sizeof(m));
     float mags[256];
@@ -93,7 +75,7 @@ inline bool q8_build_fastmap(const float* code, FastMap* out) {
         top = 128;
         for (int k = 0; k <= top; ++k) mags[k] = code[127 + k];
         for (int k = 1; k < 128; ++k)
-            if (bits(code[127 - k]) != bits(-code[127 + k])) return false;
+            if (q8_bits(code[127 - k]) != q8_bits(-code[127 + k])) return false;
     } else if (code[0] == 0.0f) {
         m.is_signed = false;
         top = 255;
@@ -104,8 +86,7 @@ inline bool q8_build_fastmap(const float* code, FastMap* out) {
     mags[0] = 0.0f;  // -0.0 compares and scales like +0.0
     for (int k = 0; k < top; ++k)
         if (!(mags[k] < mags[k + 1]) || !(mags[k + 1] < 2.0f)) return false;
-    m.top = top;
-    float mid[255];
+        float mid[255];
     for (int k = 0; k < top; ++k) mid[k] = (mags[k] + mags[k + 1]) * 0.5f;
 
     // Fewest runs of equally spaced entries (any partition is correct if it verifies; fewer runs
@@ -168,15 +149,15 @@ inline bool q8_build_fastmap(const float* code, FastMap* out) {
     // Proof. t2 is non-decreasing in a inside a segment (fma with inv >= 0, then min), and every
     // segment boundary is a midpoint, so each interval (mid[k-1], mid[k]] of values whose true
     // index is k lies in one segment. On it an unambiguous floor(t2) is exactly k when
-    //   t2(next_up(mid[k-1])) >= k          (nothing in the interval floors below k), and
+    //   t2(q8_next_up(mid[k-1])) >= k          (nothing in the interval floors below k), and
     //   t2(mid[k]) < k + 1 + kFastAmbiguous (whatever floors to k + 1 or more is ambiguous).
     // The first interval starts at 0 and the last ends one rounding above 1 (the largest scaled
     // value of a finite block).
     for (int s = 0; s < nseg; ++s)
         if (!(m.seg_inv[s] >= 0.0f)) return false;
-    const float largest = next_up(next_up(1.0f));
+    const float largest = q8_next_up(q8_next_up(1.0f));
     for (int k = 0; k <= top; ++k) {
-        const float lo = k == 0 ? 0.0f : next_up(mid[k - 1]);
+        const float lo = k == 0 ? 0.0f : q8_next_up(mid[k - 1]);
         const float hi = k == top ? largest : mid[k];
         if (!(q8_fastmap_t2(m, lo) >= (float)k)) return false;
         if (!(q8_fastmap_t2(m, hi) < (float)k + 1.0f + kFastAmbiguous)) return false;
@@ -185,4 +166,5 @@ inline bool q8_build_fastmap(const float* code, FastMap* out) {
     return true;
 }
 
+}  // namespace
 }  // namespace ds_q8

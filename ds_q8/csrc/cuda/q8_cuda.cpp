@@ -74,11 +74,7 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
     for (size_t t = 0; t < n; ++t) {
         check_step(params[t], grads[t], states[t], absmax[t], codes, lookups, block_size);
         // one dtype pair, so that a pair without a kernel fails on the first tensor, before any launch
-        TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
-                              grads[t].scalar_type() == grads[0].scalar_type(),
-                          "step_many needs one param dtype and one grad dtype; tensor ", t, " has ",
-                          params[t].scalar_type(), "/", grads[t].scalar_type(), ", tensor 0 has ",
-                          params[0].scalar_type(), "/", grads[0].scalar_type());
+        binding::check_same_dtypes(params, grads, t, "step_many");
     }
     for (size_t t = 0; t < n; ++t)
         if (params[t].numel() > 0)

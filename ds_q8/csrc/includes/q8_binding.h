@@ -37,6 +37,16 @@ inline void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax,
                       absmax.numel(), " of ", absmax.scalar_type());
 }
 
+// A call over many tensors needs one param dtype and one grad dtype (the kernel is chosen once).
+inline void check_same_dtypes(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                              size_t t, const char* what) {
+    TORCH_CHECK_VALUE(params[t].scalar_type() == params[0].scalar_type() &&
+                          grads[t].scalar_type() == grads[0].scalar_type(),
+                      what, " needs one param dtype and one grad dtype; tensor ", t, " has ", params[t].scalar_type(),
+                      "/", grads[t].scalar_type(), ", tensor 0 has ", params[0].scalar_type(), "/",
+                      grads[0].scalar_type());
+}
+
 inline std::vector<std::string> rule_names() {
     std::vector<std::string> names;
 #define Q8_RULE_NAME(NAME, RULE) names.push_back(NAME);
