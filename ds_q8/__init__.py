@@ -1,6 +1,8 @@
 """ds_q8: 8-bit optimizers via block-wise quantization, as a DeepSpeed extension."""
 from . import functional
-from .functional import create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from .functional import create_dynamic_map
+# the compiled kernels where they load, the reference (ds_q8.functional) otherwise
+from .ops import dequantize_blockwise, quantize_blockwise
 from .groups import param_groups
 from .nn import StableEmbedding
 from . import optim

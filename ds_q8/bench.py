@@ -110,10 +110,13 @@ def quantize_rows(n: int, device: str) -> List[dict]:
     x = torch.randn(n, device=device)
     code = F.create_dynamic_map(True).to(device)
     codes, absmax = F.quantize_blockwise(x, code)
+    out = torch.empty_like(x)
     return [
         dict(name="quantize_blockwise (kernel)", bytes=BYTES_QUANT, step=lambda: ops.quantize_blockwise(x, code)),
         dict(name="dequantize_blockwise (kernel)", bytes=BYTES_QUANT,
              step=lambda: ops.dequantize_blockwise(codes, absmax, code)),
+        dict(name="dequantize_blockwise (kernel, out=)", bytes=BYTES_QUANT,
+             step=lambda: ops.dequantize_blockwise(codes, absmax, code, out=out)),
         dict(name="quantize_blockwise (reference)", bytes=BYTES_QUANT, step=lambda: F.quantize_blockwise(x, code)),
         dict(name="dequantize_blockwise (reference)", bytes=BYTES_QUANT,
              step=lambda: F.dequantize_blockwise(codes, absmax, code)),

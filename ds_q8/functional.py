@@ -170,14 +170,36 @@ def quantize_blockwise(
     return codes.view(x.shape), absmax
 
 
+def check_dequantize_out(out: torch.Tensor, codes: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    """Validate ``out=`` of :func:`dequantize_blockwise`; returns the output dtype."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if dtype is not None and out.dtype != dtype:
+        raise ValueError(f"out has dtype {out.dtype} but dtype={dtype} was asked for")
+    if out.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"out must be float32, float16 or bfloat16, got {out.dtype}")
+    if out.shape != codes.shape:
+        raise ValueError(f"out must have the shape of codes {tuple(codes.shape)}, got {tuple(out.shape)}")
+    if out.device != codes.device:
+        raise ValueError(f"out must be on the device of codes ({codes.device}), got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out.dtype
+
+
 def dequantize_blockwise(
     codes: torch.Tensor,
     absmax: torch.Tensor,
     code: Optional[torch.Tensor] = None,
     block_size: Optional[int] = DEFAULT_BLOCK_SIZE,
-    dtype: torch.dtype = torch.float32,
+    dtype: Optional[torch.dtype] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: a tensor of ``dtype`` shaped like ``codes``."""
+    """Inverse of :func:`quantize_blockwise`: a tensor of ``dtype`` shaped like ``codes``.
+
+    ``dtype`` defaults to float32, or to the dtype of ``out`` when ``out`` (a contiguous tensor
+    shaped like ``codes``, on its device) is given: the values are written there and it is returned.
+    """
     block_size = resolve_block_size(block_size, codes.numel())
     if codes.dtype != torch.uint8:
         raise ValueError(f"codes must be uint8, got {codes.dtype}")
@@ -189,11 +211,16 @@ def dequantize_blockwise(
             f"absmax has {absmax.numel()} entries but {codes.numel()} codes with block_size={block_size} "
             f"need {expected}"
         )
+    if out is not None:
+        dtype = check_dequantize_out(out, codes, dtype)
+    dtype = torch.float32 if dtype is None else dtype
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     code = _check_code(code, codes.device)
-    out = dequantize_flat(codes.reshape(-1), absmax.reshape(-1), code, block_size)
-    return out.to(dtype).view(codes.shape)
+    values = dequantize_flat(codes.reshape(-1), absmax.reshape(-1), code, block_size).to(dtype).view(codes.shape)
+    if out is None:
+        return values
+    return out.copy_(values)
 
 
 def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:

@@ -218,14 +218,19 @@ def cpu_all_finite(tensors) -> Optional[bool]:
     return None if check is None else bool(check(tensors))
 
 
-def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None, block_size: int = F.DEFAULT_BLOCK_SIZE):
-    """:func:`ds_q8.functional.quantize_blockwise` in a compiled kernel (same checks, same codes)."""
+def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
+                       block_size: Optional[int] = F.DEFAULT_BLOCK_SIZE):
+    """:func:`ds_q8.functional.quantize_blockwise` in a compiled kernel (same checks, same codes).
+
+    ``block_size=None`` (one block per tensor), tensors on other devices, and kernels that cannot be
+    loaded use the reference.
+    """
+    module = _op_for(x) if block_size is not None else None
+    if module is None:
+        return F.quantize_blockwise(x, code, block_size)
     F.check_block_size(block_size)
     if x.dtype not in _SUPPORTED:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    module = _op_for(x)
-    if module is None:
-        return F.quantize_blockwise(x, code, block_size)
     code = F._check_code(code, x.device)
     flat = x.detach().reshape(-1).contiguous()
     codes, absmax = _call(module, "quantize", x, flat, code, _lookup(code, module), block_size)
@@ -236,16 +241,27 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None, blo
 
 
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Optional[torch.Tensor] = None,
-                         block_size: int = F.DEFAULT_BLOCK_SIZE, dtype: torch.dtype = torch.float32):
-    """:func:`ds_q8.functional.dequantize_blockwise` in a compiled kernel (same checks, same values)."""
-    module = _op_for(codes)
-    if module is None or codes.dtype != torch.uint8 or dtype not in _SUPPORTED:
-        return F.dequantize_blockwise(codes, absmax, code, block_size, dtype)
+                         block_size: Optional[int] = F.DEFAULT_BLOCK_SIZE, dtype: Optional[torch.dtype] = None,
+                         out: Optional[torch.Tensor] = None):
+    """:func:`ds_q8.functional.dequantize_blockwise` in a compiled kernel (same checks, same values).
+
+    With ``out=`` a CPU kernel writes straight into it (no temporary); a fresh output mostly costs
+    the first touch of its pages.
+    """
+    module = _op_for(codes) if block_size is not None else None
+    if module is None or codes.dtype != torch.uint8 or (dtype is not None and dtype not in _SUPPORTED):
+        return F.dequantize_blockwise(codes, absmax, code, block_size, dtype, out=out)
+    if out is not None:
+        dtype = F.check_dequantize_out(out, codes, dtype)
+    dtype = torch.float32 if dtype is None else dtype
     F.check_block_size(block_size)
     code = F._check_code(code, codes.device)
-    out = _call(module, "dequantize", codes, codes.reshape(-1).contiguous(), absmax.reshape(-1).contiguous(), code,
-                block_size, dtype)
-    return out.view(codes.shape)
+    flat_codes, flat_absmax = codes.reshape(-1).contiguous(), absmax.reshape(-1).contiguous()
+    if out is not None and codes.device.type == "cpu" and getattr(module, "dequantize_into", None) is not None:
+        module.dequantize_into(cpu_isa(module), flat_codes, flat_absmax, code, block_size, out.view(-1))
+        return out
+    values = _call(module, "dequantize", codes, flat_codes, flat_absmax, code, block_size, dtype).view(codes.shape)
+    return values if out is None else out.copy_(values)
 
 
 __all__ = ["fused_step", "fused_step_many", "fused_step_fp32_many", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]

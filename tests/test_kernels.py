@@ -276,6 +276,51 @@ def assert_quantization_matches(x, code, block_size):
         got = ops.dequantize_blockwise(codes, absmax, code, block_size, out_dtype)
         want = F.dequantize_blockwise(ref_codes, ref_absmax, code, block_size, out_dtype)
         assert_same_bits(got, want, f"dequantized {out_dtype}")
+        out = torch.full(x.shape, float("nan"), dtype=out_dtype, device=x.device)
+        assert ops.dequantize_blockwise(codes, absmax, code, block_size, out=out) is out
+        assert_same_bits(out, want, f"dequantized into out= {out_dtype}")
+
+
+def test_public_functions_use_the_kernels(cpu_op, monkeypatch):
+    """ds_q8.(de)quantize_blockwise are the dispatching ones; ds_q8.functional stays the reference."""
+    assert ds_q8.quantize_blockwise is ops.quantize_blockwise
+    assert ds_q8.dequantize_blockwise is ops.dequantize_blockwise
+    calls = []
+    for name in ("quantize", "dequantize", "dequantize_into"):
+        real = getattr(cpu_op, name)
+        monkeypatch.setattr(cpu_op, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    x = torch.randn(5000)
+    codes, absmax = ds_q8.quantize_blockwise(x)
+    ds_q8.dequantize_blockwise(codes, absmax)
+    ds_q8.dequantize_blockwise(codes, absmax, out=torch.empty(5000))
+    assert calls == ["quantize", "dequantize", "dequantize_into"]
+    # one block per tensor is the reference's alone, through the same functions
+    c1, a1 = ds_q8.quantize_blockwise(x, block_size=None)
+    assert a1.shape == (1,) and torch.equal(c1, F.quantize_blockwise(x, block_size=None)[0])
+    assert torch.equal(ds_q8.dequantize_blockwise(c1, a1, block_size=None), F.dequantize_blockwise(c1, a1, block_size=None))
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_dequantize_out_rejects_bad_buffers(cpu_op, impl):
+    fn = ops.dequantize_blockwise if impl == "kernel" else F.dequantize_blockwise
+    codes, absmax = F.quantize_blockwise(torch.randn(3000))
+    cases = [
+        (torch.empty(2999), ValueError, "out must have the shape of codes"),
+        (torch.empty(3000, dtype=torch.float64), ValueError, "out must be float32, float16 or bfloat16"),
+        (torch.empty(6000)[::2], ValueError, "out must be contiguous"),
+        (torch.empty(3000).numpy(), TypeError, "out must be a torch.Tensor"),
+    ]
+    for out, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            fn(codes, absmax, out=out)
+    out = torch.zeros(3000)
+    with pytest.raises(ValueError, match="out has dtype torch.float32 but dtype=torch.float16"):
+        fn(codes, absmax, dtype=torch.float16, out=out)
+    assert torch.count_nonzero(out) == 0  # nothing written by a refused call
+    # out= decides the dtype when dtype is not given
+    half = torch.empty(3000, dtype=torch.float16)
+    assert fn(codes, absmax, out=half) is half
+    assert torch.equal(half, F.dequantize_blockwise(codes, absmax, dtype=torch.float16))
 
 
 def test_quantize_rejects_bad_input(cpu_op):

@@ -281,17 +281,20 @@ std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor&
     return {codes, absmax};
 }
 
-torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, const torch::Tensor& absmax,
-                         const torch::Tensor& code, int64_t block_size, torch::ScalarType dtype) {
+// Dequantizes into `out` (any float dtype, contiguous, one value per code).
+void dequantize_into(const std::string& isa, const torch::Tensor& codes, const torch::Tensor& absmax,
+                     const torch::Tensor& code, int64_t block_size, const torch::Tensor& out) {
     check_isa(isa);
     check_block_size(block_size);
     check_codes(codes, absmax, codes.numel(), block_size, "codes");
     check_cpu_contiguous(code, "code");
     binding::check_code(code);
-    auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
+    check_cpu_contiguous(out, "out");
+    TORCH_CHECK_VALUE(out.numel() == codes.numel(), "out must have one element per code (", codes.numel(), "), got ",
+                      out.numel());
     QuantizeArgs a{};
     a.x = out.data_ptr();
-    a.dtype = dtype_of(out, "dtype");
+    a.dtype = dtype_of(out, "out");
     a.numel = codes.numel();
     a.block_size = block_size;
     a.codes = const_cast<uint8_t*>(codes.data_ptr<uint8_t>());
@@ -301,6 +304,12 @@ torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, con
     if (isa == "avx512") dequantize_avx512(a);
     else if (isa == "avx2") dequantize_avx2(a);
     else dequantize_scalar(a);
+}
+
+torch::Tensor dequantize(const std::string& isa, const torch::Tensor& codes, const torch::Tensor& absmax,
+                         const torch::Tensor& code, int64_t block_size, torch::ScalarType dtype) {
+    auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
+    dequantize_into(isa, codes, absmax, code, block_size, out);
     return out;
 }
 
@@ -384,4 +393,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "segment search vs lookup table over every float in [-limit, limit]; -1 when it does not apply");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
+    m.def("dequantize_into", &ds_q8::dequantize_into, "block-wise dequantize into a given tensor");
 }
