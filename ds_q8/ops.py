@@ -12,6 +12,7 @@ Environment:
 """
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import Dict, Optional
@@ -123,6 +124,9 @@ def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
 
 _STATE_KEYS = {k: (tuple(f"state{i}" for i in range(1, k + 1)), tuple(f"absmax{i}" for i in range(1, k + 1)))
                for k in (1, 2)}
+# itemgetter of several keys returns a tuple, which the binding takes as a list
+_STATE_GETTERS = {k: (operator.itemgetter(*s), operator.itemgetter(*a)) for k, (s, a) in _STATE_KEYS.items()}
+_STATE_GETTERS[1] = tuple((lambda st, _g=g: (_g(st),)) for g in _STATE_GETTERS[1])
 
 
 def fused_step_many(optimizer, items, group, hyper) -> list:
@@ -149,7 +153,7 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
         if batch is None:
             batch = batches[key] = ([], [], [], [], [])
         batch[0].append(item)
-    state_keys, absmax_keys = _STATE_KEYS[len(optimizer.state_signed)]
+    state_of, absmax_of = _STATE_GETTERS[len(optimizer.state_signed)]
     for batch, params, grads, states, absmax in batches.values():
         device = batch[0][0].device
         module = load_op(device.type)
@@ -165,8 +169,8 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
         for p, g, st in batch:
             params.append(p)  # the kernel writes p's memory in place, as p.data would
             grads.append(g if g.is_contiguous() else g.contiguous())
-            states.append([st[key] for key in state_keys])
-            absmax.append([st[key] for key in absmax_keys])
+            states.append(state_of(st))
+            absmax.append(absmax_of(st))
         _call(module, "step_many", params[0], rule, params, grads, states, absmax, maps, lookups,
               group["block_size"], dict(hyper))
     return rest

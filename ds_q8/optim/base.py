@@ -272,13 +272,18 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         # kernels run as one batch (one call for many small tensors); the rest go one at a time.
         batches: Dict[tuple, tuple] = {}
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
+        # fp32 state under torch's or universal names (a universal-checkpoint load) is rare: one
+        # set test per parameter finds that none is there
+        fp32_names = frozenset(self.state_names + UNIVERSAL_STATE_NAMES)
         for group, p in work:
             grad = p.grad
             state = self.state[p]
-            if self._adopt_fp32_state(p, state):
+            if not fp32_names.isdisjoint(state) and self._adopt_fp32_state(p, state):
                 state = self.state[p]
-            if "state1" not in state:
+            state1 = state.get("state1")
+            if state1 is None:
                 self._init_state(p, group, state)
+                state1 = state["state1"]
             state["step"] = int(state["step"]) + 1
             hkey = (id(group), state["step"])
             h = hypers.get(hkey)
@@ -289,7 +294,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 h = self._norm_hyper(h, self._tensor_norms(p, grad, state, group, h))
                 self._step_param(p, grad, state, group, h)
             elif p.is_cpu or p.is_cuda:
-                eight = self.is_8bit_state(state)
+                eight = state1.dtype is torch.uint8
                 if not eight and p.is_cuda:
                     self._step_param(p, grad, state, group, h)
                     continue
