@@ -213,13 +213,14 @@ def cpu_all_finite(tensors) -> Optional[bool]:
     None (the caller then asks torch) for an empty list, kernels switched off or unavailable, or
     any tensor that is not a contiguous float32/float16/bfloat16 CPU tensor.
     """
-    tensors = list(tensors)
     if not tensors or not kernels_enabled():
         return None
-    if any(t.device.type != "cpu" or t.dtype not in _SUPPORTED or not t.is_contiguous() for t in tensors):
+    module = load_op("cpu")
+    check = getattr(module, "all_finite_or_unknown", None)  # None also for a module built before it existed
+    if check is None:
         return None
-    check = getattr(load_op("cpu"), "all_finite", None)  # None also for a module built before it existed
-    return None if check is None else bool(check(tensors))
+    answer = check(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+    return None if answer < 0 else bool(answer)
 
 
 def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,

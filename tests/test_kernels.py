@@ -223,6 +223,12 @@ def test_all_finite_leaves_other_tensors_to_torch(cpu_op, monkeypatch):
     assert ops.cpu_all_finite([]) is None
     assert ops.cpu_all_finite([torch.randn(8, 8).t()]) is None  # not contiguous
     assert ops.cpu_all_finite([torch.randn(8, dtype=torch.float64)]) is None
+    # one unsuitable tensor among good ones (even after a NaN) leaves the whole answer to torch
+    assert ops.cpu_all_finite([torch.tensor([float("nan")]), torch.randn(8, 8).t()]) is None
+    assert ops.cpu_all_finite([torch.randn(8), torch.randn(8, device="meta")]) is None
+    # the strict binding keeps refusing such tensors with a message
+    with pytest.raises(ValueError, match="tensor must be contiguous"):
+        cpu_op.all_finite([torch.randn(8, 8).t()])
     monkeypatch.setenv("DS_Q8_KERNELS", "0")
     assert ops.cpu_all_finite([torch.randn(8)]) is None
 

@@ -323,7 +323,9 @@ bool words_finite(const W* x, int64_t n, W exponent) {
     return bad == 0;
 }
 
-bool all_finite(const std::vector<torch::Tensor>& tensors) {
+// 1 when no tensor holds NaN or Inf, 0 when one does; -1 (nothing read) when `lenient` and a tensor
+// is not a contiguous float32/float16/bfloat16 CPU tensor, which otherwise is an error.
+int finite_check(const std::vector<torch::Tensor>& tensors, bool lenient) {
     // Every tensor cut into chunks of 2^16 values; one parallel loop over all chunks of all tensors,
     // so that many small tensors cost one parallel region.
     constexpr int64_t kChunk = 1 << 16;
@@ -334,6 +336,12 @@ bool all_finite(const std::vector<torch::Tensor>& tensors) {
     };
     std::vector<Piece> pieces;
     for (const auto& t : tensors) {
+        if (lenient) {
+            const auto s = t.scalar_type();
+            if (!t.device().is_cpu() || !t.is_contiguous() ||
+                (s != torch::kFloat32 && s != torch::kFloat16 && s != torch::kBFloat16))
+                return -1;
+        }
         check_cpu_contiguous(t, "tensor");
         const DType d = dtype_of(t, "tensor");
         const int64_t n = t.numel();
@@ -354,8 +362,14 @@ bool all_finite(const std::vector<torch::Tensor>& tensors) {
         }
         bad |= ok ? 0 : 1;
     }
-    return bad == 0;
+    return bad == 0 ? 1 : 0;
 }
+
+bool all_finite(const std::vector<torch::Tensor>& tensors) { return finite_check(tensors, false) == 1; }
+
+// The optimizers' check: -1 where it does not apply (the caller then asks torch), so that the
+// tensors are looked at once, here, and not also in Python.
+int all_finite_or_unknown(const std::vector<torch::Tensor>& tensors) { return finite_check(tensors, true); }
 
 // Whether the AVX-512 driver searches this map without the lookup table (q8_fastmap.h).
 bool fast_search(const torch::Tensor& code) {
@@ -388,6 +402,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("step_fp32_many", &ds_q8::step_fp32_many,
           "the same fused step for tensors with float32 states (optim_bits=32), in place");
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
+    m.def("all_finite_or_unknown", &ds_q8::all_finite_or_unknown,
+          "1 when no tensor holds NaN or Inf, 0 when one does, -1 when one is not a contiguous float CPU tensor");
     m.def("fast_search", &ds_q8::fast_search, "True when the AVX-512 step searches this map without the table");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
           "segment search vs lookup table over every float in [-limit, limit]; -1 when it does not apply");
