@@ -27,25 +27,27 @@ def check_mode(value) -> str:
 
 
 def _any_nonfinite(grads: List[torch.Tensor]) -> torch.Tensor:
+    """Whether this rank's gradients hold a NaN or Inf (a bool tensor: no sync on a GPU)."""
+    from .. import ops
+
+    # CPU gradients: one compiled read instead of torch's isfinite (which writes a bool temporary)
+    fast = ops.cpu_all_finite(grads)
+    if fast is not None:
+        return torch.tensor(not fast)
     flags = [torch.logical_not(torch.isfinite(g).all()) for g in grads]
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
 def grads_all_finite(grads: List[torch.Tensor]) -> bool:
     """True when every gradient on every rank is finite (ranks agree, so all skip or none)."""
-    from .. import ops
-
-    # CPU gradients: one compiled read instead of torch's isfinite (which writes a bool temporary)
-    fast = ops.cpu_all_finite(grads)
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1
-    if not distributed:
-        return fast if fast is not None else not bool(_any_nonfinite(grads).item())
-    local = torch.tensor(float(not fast)) if fast is not None else _any_nonfinite(grads).to(torch.float32)
+    local = _any_nonfinite(grads)
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1):
+        return not bool(local)
     device = local.device
     if torch.distributed.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
-    flag = local.to(device).reshape(1)
+    flag = local.to(device, torch.float32).reshape(1)
     torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
     return not bool(flag.item())
 

@@ -27,6 +27,7 @@ def run_checked(cmd, log: Path, timeout: int, cwd=None, result: Path = None, att
     """Run ``cmd``; on failure try once more (a port taken by another job between choosing and
     binding it fails the start). When ``result`` exists, rank 0 wrote it after every rank finished
     all jobs, so a non-zero exit can only come from process teardown and the result stands."""
+    tails = []
     for attempt in range(attempts):
         if "--master_port" in cmd:
             cmd[cmd.index("--master_port") + 1] = str(free_port())
@@ -34,8 +35,8 @@ def run_checked(cmd, log: Path, timeout: int, cwd=None, result: Path = None, att
             proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env(), cwd=cwd, timeout=timeout)
         if proc.returncode == 0 or (result is not None and result.exists()):
             return
-    tail = log.read_text()[-4000:]
-    raise AssertionError(f"{' '.join(map(str, cmd))} exited with {proc.returncode}; log tail:\n{tail}")
+        tails.append(f"attempt {attempt + 1} exited with {proc.returncode}; log tail:\n{log.read_text()[-3000:]}")
+    raise AssertionError(f"{' '.join(map(str, cmd))} failed:\n" + "\n".join(tails))
 
 
 def launch(plan, workdir: Path, name: str, ranks: int = 2, timeout: int = 300) -> dict:

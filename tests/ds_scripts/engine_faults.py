@@ -62,6 +62,7 @@ def damaged_copies(ck: Path):
     good = ck / "good"
     shard = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
     for tag in ("cut", "flipped"):
+        shutil.rmtree(ck / tag, ignore_errors=True)  # left by an earlier attempt of this launch
         shutil.copytree(good, ck / tag)
     cut = ck / "cut" / shard.format(1)
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
