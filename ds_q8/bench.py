@@ -11,11 +11,14 @@ code bytes; write p, two code bytes) and 28 for 32-bit state (read p, g, m, v; w
 allocates its output, so its time includes the first touch of those pages.
 
 A second table runs the same step over many small parameters (default 1000 of 4096 elements), where
-per-parameter overhead rather than arithmetic decides.
+per-parameter overhead rather than arithmetic decides. A copy of N fp32 values (8 bytes moved per
+value) gives the bandwidth a memory-bound step could reach, and each ds_q8 kernel row is reported
+as a fraction of it.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -29,19 +32,27 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
 
-BYTES_8BIT, BYTES_32BIT, BYTES_QUANT = 16, 28, 5
+BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
 LR, WD = 1e-3, 1e-2
 
 
 def _params(n: int, device: str, seed: int, count: int = 1) -> List[torch.nn.Parameter]:
-    """``count`` parameters of ``n`` elements each, with gradients."""
-    g = torch.Generator().manual_seed(seed)
+    """``count`` parameters of ``n`` elements each, with gradients, generated on ``device`` (a GPU
+    run at 1.5e9 parameters never holds them in host memory)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     out = []
     for _ in range(count):
-        p = torch.nn.Parameter(torch.randn(n, generator=g).to(device))
-        p.grad = (torch.randn(n, generator=g) * 1e-2).to(device)
+        p = torch.nn.Parameter(torch.randn(n, generator=g, device=device))
+        p.grad = torch.randn(n, generator=g, device=device).mul_(1e-2)
         out.append(p)
     return out
+
+
+def copy_rows(n: int, device: str) -> List[dict]:
+    """``dst.copy_(src)`` of n fp32 values: the device's copy bandwidth (8 bytes moved per value)."""
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    return [dict(name="copy (dst.copy_(src), fp32)", bytes=BYTES_COPY, step=lambda: dst.copy_(src))]
 
 
 def _reference_step(opt) -> Callable[[], None]:
@@ -58,15 +69,17 @@ def _reference_step(opt) -> Callable[[], None]:
     return step
 
 
-def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1) -> List[dict]:
+def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, skip=()) -> List[dict]:
     """(name, bytes per param, step function) for every implementation available here, each stepping
-    ``count`` parameters of ``n`` elements."""
+    ``count`` parameters of ``n`` elements; rows whose name contains a string of ``skip`` are left out."""
     rows = []
 
     def _param(n, device, seed):
         return _params(n, device, seed, count)
 
     def add(name, bytes_per_param, make):
+        if any(s and s in name for s in skip):
+            return
         try:
             rows.append(dict(name=name, bytes=bytes_per_param, step=make()))
         except Exception as exc:  # an optional peer that is missing or cannot build
@@ -106,21 +119,31 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1) ->
     return rows
 
 
-def quantize_rows(n: int, device: str) -> List[dict]:
+def quantize_rows(n: int, device: str, with_reference: bool = True) -> List[dict]:
     x = torch.randn(n, device=device)
     code = F.create_dynamic_map(True).to(device)
-    codes, absmax = F.quantize_blockwise(x, code)
+    codes, absmax = ops.quantize_blockwise(x, code)  # the reference's bits, without its temporaries
     out = torch.empty_like(x)
-    return [
+    rows = [
         dict(name="quantize_blockwise (kernel)", bytes=BYTES_QUANT, step=lambda: ops.quantize_blockwise(x, code)),
         dict(name="dequantize_blockwise (kernel)", bytes=BYTES_QUANT,
              step=lambda: ops.dequantize_blockwise(codes, absmax, code)),
         dict(name="dequantize_blockwise (kernel, out=)", bytes=BYTES_QUANT,
              step=lambda: ops.dequantize_blockwise(codes, absmax, code, out=out)),
-        dict(name="quantize_blockwise (reference)", bytes=BYTES_QUANT, step=lambda: F.quantize_blockwise(x, code)),
-        dict(name="dequantize_blockwise (reference)", bytes=BYTES_QUANT,
-             step=lambda: F.dequantize_blockwise(codes, absmax, code)),
     ]
+    if with_reference:
+        rows += [
+            dict(name="quantize_blockwise (reference)", bytes=BYTES_QUANT, step=lambda: F.quantize_blockwise(x, code)),
+            dict(name="dequantize_blockwise (reference)", bytes=BYTES_QUANT,
+                 step=lambda: F.dequantize_blockwise(codes, absmax, code)),
+        ]
+    return rows
+
+
+def _release(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def measure(rows: List[dict], reps: int, device: str) -> None:
@@ -169,9 +192,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=1 << 25, help="parameters per optimizer (default 2^25)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median is reported)")
-    ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-PyTorch reference row")
+    ap.add_argument("--no-reference", action="store_true", help="skip the slow pure-PyTorch reference rows")
     ap.add_argument("--many", type=int, nargs=2, default=[1000, 4096], metavar=("COUNT", "SIZE"),
                     help="second table: COUNT parameters of SIZE elements each (default 1000 4096; 0 0 skips it)")
+    ap.add_argument("--skip", action="append", default=[], metavar="TEXT",
+                    help="leave out the step rows whose name contains TEXT (repeatable), e.g. to fit a large "
+                         "--n in GPU memory")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
@@ -187,16 +213,27 @@ def main(argv=None) -> dict:
     warnings.simplefilter("ignore", UserWarning)
 
     baseline = "torch AdamW fused"
-    steps = optimizer_rows(args.n, args.device, not args.no_reference)
+    # each section's tensors are freed before the next one is built: at 1.5e9 parameters on a GPU
+    # they would not all fit at once
+    steps = optimizer_rows(args.n, args.device, not args.no_reference, skip=args.skip)
     measure(steps, args.reps, args.device)
     step_table = table(steps, args.n, baseline)
+    del steps
+    _release(args.device)
+    copy = copy_rows(args.n, args.device)
+    measure(copy, args.reps, args.device)
+    copy_table = table(copy, args.n, None)
+    del copy
+    _release(args.device)
     count, size = args.many
     many_table = []
     if count:
-        many = optimizer_rows(size, args.device, False, count)
+        many = optimizer_rows(size, args.device, False, count, skip=args.skip)
         measure(many, args.reps, args.device)
         many_table = table(many, count * size, baseline)
-    quant = quantize_rows(args.n, args.device)
+        del many
+        _release(args.device)
+    quant = quantize_rows(args.n, args.device, not args.no_reference)
     measure(quant, args.reps, args.device)
     quant_table = table(quant, args.n, None)
 
@@ -208,11 +245,17 @@ def main(argv=None) -> dict:
     print(f"one AdamW step on {args.n} fp32 parameters, {args.device}, {config['threads']} threads"
           f"{', ISA ' + isa if isa else ''}; median of {args.reps} interleaved runs")
     print_table("optimizer step", step_table, baseline)
+    print_table("memory copy, the bandwidth a step could reach", copy_table, None)
+    copy_gbps = copy_table[0]["gbps"]
+    for r in step_table:
+        if r["name"].startswith("ds_q8") and "kernel" in r["name"]:
+            print(f"{r['name']}: {r['gbps']:.1f} GB/s = {100 * r['gbps'] / copy_gbps:.0f}% of the copy's "
+                  f"{copy_gbps:.1f} GB/s")
     if many_table:
         print_table(f"the same step over {count} parameters of {size} elements each", many_table, baseline)
     print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
-    result = dict(config=config, step=step_table, many=dict(count=count, size=size, step=many_table),
-                  quantization=quant_table)
+    result = dict(config=config, step=step_table, copy=copy_table,
+                  many=dict(count=count, size=size, step=many_table), quantization=quant_table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

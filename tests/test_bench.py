@@ -1,0 +1,45 @@
+"""The benchmark program runs end to end on a small size and writes its JSON (no timing is judged)."""
+import json
+
+import pytest
+
+from ds_q8 import bench
+
+
+def test_bench_small_run_writes_every_table(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    result = bench.main(["--n", "3000", "--reps", "1", "--many", "3", "700", "--skip", "foreach", "--skip", "DeepSpeedCPUAdam",
+                         "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    names = [r["name"] for r in result["step"]]
+    assert "ds_q8 AdamW8bitBlock (kernel)" in names and "torch AdamW fused" in names
+    assert "ds_q8 AdamW8bitBlock (reference)" in names
+    assert not any("foreach" in n or "DeepSpeed" in n for n in names)  # --skip (DeepSpeedCPUAdam would JIT-build its op)
+    assert [r["name"] for r in result["copy"]] == ["copy (dst.copy_(src), fp32)"]
+    assert result["many"]["count"] == 3 and len(result["many"]["step"]) >= 2
+    assert {r["name"] for r in result["quantization"]} >= {"dequantize_blockwise (kernel, out=)"}
+    for r in result["step"] + result["copy"] + result["many"]["step"] + result["quantization"]:
+        assert r["ms"] > 0 and r["gbps"] > 0, r
+    printed = capsys.readouterr().out
+    assert "% of the copy's" in printed and "| torch AdamW fused |" in printed
+
+
+def test_bench_no_reference_leaves_out_every_reference_row():
+    result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "torch",
+                         "--skip", "DeepSpeed"])
+    rows = result["step"] + result["quantization"]
+    assert rows and not any("reference" in r["name"] for r in rows)
+    assert not any(r["name"].startswith(("torch", "DeepSpeed")) for r in result["step"])
+    assert result["many"]["step"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--n", "0"], "--n must be >= 1"),
+    (["--reps", "0"], "--reps must be >= 1"),
+    (["--many", "0", "5"], "--many needs two positive numbers"),
+    (["--device", "tpu"], "--device must be cpu or cuda"),
+])
+def test_bench_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
