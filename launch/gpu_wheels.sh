@@ -9,7 +9,7 @@ mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl \
-    bitsandbytes==0.50.2 torchao==0.18.0 hjson annotated-types typing-inspection pydantic
+    bitsandbytes==0.50.2 torchao==0.18.0 hjson annotated-types typing-inspection typing-extensions pydantic
 # pydantic pins one pydantic-core release exactly
 core=$(unzip -p .whl/pydantic-*.whl '*/METADATA' | sed -n 's/^Requires-Dist: pydantic-core==\([0-9.]*\).*/\1/p')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY_VERSION" --implementation cp \
