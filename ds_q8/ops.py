@@ -122,11 +122,17 @@ def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
     return True
 
 
-_STATE_KEYS = {k: (tuple(f"state{i}" for i in range(1, k + 1)), tuple(f"absmax{i}" for i in range(1, k + 1)))
-               for k in (1, 2)}
-# itemgetter of several keys returns a tuple, which the binding takes as a list
-_STATE_GETTERS = {k: (operator.itemgetter(*s), operator.itemgetter(*a)) for k, (s, a) in _STATE_KEYS.items()}
-_STATE_GETTERS[1] = tuple((lambda st, _g=g: (_g(st),)) for g in _STATE_GETTERS[1])
+def _getter(keys):
+    """state dict -> tuple of its values under ``keys`` (the binding takes a tuple as a list)."""
+    if len(keys) == 1:  # itemgetter of one key returns the value itself, not a tuple
+        key = keys[0]
+        return lambda st: (st[key],)
+    return operator.itemgetter(*keys)
+
+
+# number of states -> (codes or fp32 states, block maxima) of a parameter's state dict
+_STATE_GETTERS = {k: (_getter([f"state{i}" for i in range(1, k + 1)]),
+                      _getter([f"absmax{i}" for i in range(1, k + 1)])) for k in (1, 2)}
 
 
 def fused_step_many(optimizer, items, group, hyper) -> list:
@@ -185,14 +191,15 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
     module = load_op("cpu")
     if module is None or not hasattr(module, "step_fp32_many") or rule not in module.rules():
         return list(items)
-    state_keys = _STATE_KEYS[len(optimizer.state_signed)][0]
+    state_of = _STATE_GETTERS[len(optimizer.state_signed)][0]
     batches: Dict[tuple, tuple] = {}
     rest = []
     for item in items:
         p, grad, st = item
         pd, gd = p.dtype, grad.dtype
+        states = state_of(st)
         if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
-                or not p.is_contiguous() or not all(st[key].is_contiguous() for key in state_keys)):
+                or not p.is_contiguous() or not all(s.is_contiguous() for s in states)):
             rest.append(item)
             continue
         batch = batches.get((pd, gd))
@@ -200,7 +207,7 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
             batch = batches[(pd, gd)] = ([], [], [])
         batch[0].append(p)
         batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
-        batch[2].append([st[key] for key in state_keys])
+        batch[2].append(states)
     isa = cpu_isa(module) if batches else None
     for params, grads, states in batches.values():
         module.step_fp32_many(isa, rule, params, grads, states, dict(hyper))

@@ -93,17 +93,22 @@ def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization
     return (pk, ok), (pr, orf)
 
 
-def assert_same_run(kernel, reference):
-    (pk, ok), (pr, orf) = kernel, reference
-    assert_same_bits(pk.data, pr.data, "param")
-    sk, sr = ok.state[pk], orf.state[pr]
-    assert ok.is_8bit_state(sk)
+def assert_same_param(a, ok, b, orf, label="param"):
+    """Parameter ``a`` of optimizer ``ok`` and ``b`` of ``orf``: the same bits, the same state."""
+    assert_same_bits(a.data, b.data, label)
+    sk, sr = ok.state[a], orf.state[b]
     assert sk.keys() == sr.keys()
     for key in sk:
         if torch.is_tensor(sk[key]):
-            assert_same_bits(sk[key], sr[key], key)
+            assert_same_bits(sk[key], sr[key], f"{label} {key}")
         else:
-            assert sk[key] == sr[key], key
+            assert sk[key] == sr[key], (label, key)
+
+
+def assert_same_run(kernel, reference):
+    (pk, ok), (pr, orf) = kernel, reference
+    assert ok.is_8bit_state(ok.state[pk])
+    assert_same_param(pk, ok, pr, orf)
 
 
 @pytest.fixture

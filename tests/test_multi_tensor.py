@@ -12,7 +12,8 @@ from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 
-from test_kernels import ISAS, RULES, assert_same_bits, reference_step
+from test_kernels import (  # noqa: F401 (isa is a fixture)
+    ISAS, RULES, assert_same_bits, assert_same_param, isa, reference_step)
 
 GPU = torch.cuda.is_available()
 
@@ -53,20 +54,7 @@ def run_pair(cls, kw, device="cpu", steps=4):
 def assert_same(kernel, reference):
     (pk, ok), (pr, orf) = kernel, reference
     for i, (a, b) in enumerate(zip(pk, pr)):
-        assert_same_bits(a.data, b.data, f"param {i}")
-        sk, sr = ok.state[a], orf.state[b]
-        assert sk.keys() == sr.keys()
-        for key in sk:
-            if torch.is_tensor(sk[key]):
-                assert_same_bits(sk[key], sr[key], f"param {i} {key}")
-            else:
-                assert sk[key] == sr[key], (i, key)
-
-
-@pytest.fixture
-def isa(request, monkeypatch):
-    monkeypatch.setenv("DS_Q8_CPU_ISA", request.param)
-    return request.param
+        assert_same_param(a, ok, b, orf, f"param {i}")
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)

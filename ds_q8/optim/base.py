@@ -21,6 +21,7 @@ A concrete optimizer supplies only
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Dict, List, Optional
 
@@ -272,13 +273,10 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         # kernels run as one batch (one call for many small tensors); the rest go one at a time.
         batches: Dict[tuple, tuple] = {}
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
-        # fp32 state under torch's or universal names (a universal-checkpoint load) is rare: one
-        # set test per parameter finds that none is there
-        fp32_names = frozenset(self.state_names + UNIVERSAL_STATE_NAMES)
         for group, p in work:
             grad = p.grad
             state = self.state[p]
-            if not fp32_names.isdisjoint(state) and self._adopt_fp32_state(p, state):
+            if self._adopt_fp32_state(p, state):
                 state = self.state[p]
             state1 = state.get("state1")
             if state1 is None:
@@ -448,6 +446,11 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 return tuple(cand)
         return None
 
+    @functools.cached_property
+    def _fp32_state_names(self) -> frozenset:
+        """The names fp32 state can arrive under: this optimizer's and the universal checkpoint's."""
+        return frozenset(self.state_names + UNIVERSAL_STATE_NAMES)
+
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict) -> bool:
         """Requantize state that arrived as fp32 under torch's or universal names.
 
@@ -455,11 +458,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         straight into ``optimizer.state``; this turns them into codes and block maxima before the
         next update. Returns True when the state was replaced.
         """
-        for n in self.state_names + UNIVERSAL_STATE_NAMES:
-            if n in state:
-                break
-        else:
-            return False  # the usual case, checked cheaply: no fp32 state under either naming
+        if self._fp32_state_names.isdisjoint(state):
+            return False  # the usual case, one set test per parameter and step
         names = self._fp32_names_in(state, self.state_names)
         if names is None:
             return False
