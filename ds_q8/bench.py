@@ -14,6 +14,11 @@ A second table runs the same step over many small parameters (default 1000 of 40
 per-parameter overhead rather than arithmetic decides. A copy of N fp32 values (8 bytes moved per
 value) gives the bandwidth a memory-bound step could reach, and each ds_q8 kernel row is reported
 as a fraction of it.
+
+On CPU a third table separates arithmetic from memory traffic: each of a few implementations steps
+two small parameters whose data stays in cache, on one thread, and the difference of the two times
+gives its cost per parameter without the per-call overhead. Scaled to N parameters over the run's
+threads, that is the time the step would take if memory cost nothing (its compute floor).
 """
 from __future__ import annotations
 
@@ -146,23 +151,66 @@ def _release(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(rows: List[dict], reps: int, device: str) -> None:
-    """Interleaved repetitions after one warm-up call each; stores the median seconds in row['time']."""
+def measure(rows: List[dict], reps: int, device: str, inner: int = 1) -> None:
+    """Interleaved repetitions after one warm-up call each; stores the median seconds per call in
+    row['time']. Each repetition times ``inner`` calls in a row (for steps too short to time alone)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     for row in rows:
         row["step"]()
     sync()
-    times: Dict[str, List[float]] = {row["name"]: [] for row in rows}
+    times: List[List[float]] = [[] for _ in rows]
     for _ in range(reps):
-        for row in rows:
+        for row, row_times in zip(rows, times):
+            step = row["step"]
             sync()
             t0 = time.perf_counter()
-            row["step"]()
+            for _ in range(inner):
+                step()
             sync()
-            times[row["name"]].append(time.perf_counter() - t0)
-    for row in rows:
-        row["times"] = times[row["name"]]
-        row["time"] = statistics.median(row["times"])
+            row_times.append((time.perf_counter() - t0) / inner)
+    for row, row_times in zip(rows, times):
+        row["times"] = row_times
+        row["time"] = statistics.median(row_times)
+
+
+# The rows whose arithmetic cost is worth knowing apart from memory traffic.
+IN_CACHE_ROWS = ("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", "torch AdamW fused", "DeepSpeedCPUAdam")
+
+
+def in_cache_table(sizes, reps: int, n: int, threads: int, skip=(), torch_ms: Optional[float] = None) -> List[dict]:
+    """Arithmetic cost per parameter with the data in cache, on one thread (CPU only).
+
+    Each implementation steps a parameter of each of the two small ``sizes``; the difference of the
+    two step times over the difference of the sizes is the cost per parameter, without the fixed
+    per-call cost. ``floor_ms`` is that cost for ``n`` parameters spread over ``threads`` cores: the
+    time a step would take if memory cost nothing. ``floor_ratio`` divides it by torch fused AdamW's
+    measured step (``torch_ms``)."""
+    small, large = sizes
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = []
+        for size in (small, large):
+            for row in optimizer_rows(size, "cpu", False, skip=skip):
+                if row["name"] in IN_CACHE_ROWS:
+                    row["size"] = size
+                    rows.append(row)
+        # about 2 ms per timed repetition, so that timer resolution and scheduling noise stay small
+        inner = max(1, (2 << 20) // large)
+        measure(rows, max(reps, 9), "cpu", inner=inner)
+    finally:
+        torch.set_num_threads(saved)
+    out = []
+    for name in IN_CACHE_ROWS:
+        t = {r["size"]: r["time"] for r in rows if r["name"] == name}
+        if len(t) != 2:
+            continue
+        per_param = max(t[large] - t[small], 0.0) / (large - small)
+        floor_ms = 1e3 * per_param * n / threads
+        out.append(dict(name=name, ns_per_param=1e9 * per_param, floor_ms=floor_ms,
+                        floor_ratio=floor_ms / torch_ms if torch_ms else None,
+                        small_us=1e6 * t[small], large_us=1e6 * t[large]))
+    return out
 
 
 def table(rows: List[dict], n: int, baseline: Optional[str]) -> List[dict]:
@@ -198,6 +246,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip", action="append", default=[], metavar="TEXT",
                     help="leave out the step rows whose name contains TEXT (repeatable), e.g. to fit a large "
                          "--n in GPU memory")
+    ap.add_argument("--in-cache", type=int, nargs=2, default=[1 << 14, 1 << 16], metavar=("SMALL", "LARGE"),
+                    help="CPU only: cost per parameter with the data in cache, one thread, from the step times "
+                         "at these two sizes (default 16384 65536; 0 0 skips it)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
@@ -206,6 +257,9 @@ def main(argv=None) -> dict:
         ap.error(f"--reps must be >= 1, got {args.reps}")
     if min(args.many) < 0 or (min(args.many) == 0 and max(args.many) != 0):
         ap.error(f"--many needs two positive numbers (or 0 0 to skip), got {args.many}")
+    small, large = args.in_cache
+    if (small, large) != (0, 0) and not 0 < small < large:
+        ap.error(f"--in-cache needs two sizes with 0 < SMALL < LARGE (or 0 0 to skip), got {args.in_cache}")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -220,6 +274,11 @@ def main(argv=None) -> dict:
     step_table = table(steps, args.n, baseline)
     del steps
     _release(args.device)
+    in_cache = []
+    if args.device == "cpu" and large:
+        torch_ms = next((r["ms"] for r in step_table if r["name"] == baseline), None)
+        in_cache = in_cache_table((small, large), args.reps, args.n, torch.get_num_threads(), args.skip, torch_ms)
+        _release(args.device)
     copy = copy_rows(args.n, args.device)
     measure(copy, args.reps, args.device)
     copy_table = table(copy, args.n, None)
@@ -245,6 +304,15 @@ def main(argv=None) -> dict:
     print(f"one AdamW step on {args.n} fp32 parameters, {args.device}, {config['threads']} threads"
           f"{', ISA ' + isa if isa else ''}; median of {args.reps} interleaved runs")
     print_table("optimizer step", step_table, baseline)
+    if in_cache:
+        print(f"\ncost per parameter with the data in cache (one thread; slope between {small} and {large} "
+              f"parameters), and the time {args.n} parameters would take on {config['threads']} threads if "
+              f"memory cost nothing")
+        print(f"| implementation | ns / parameter / core | compute floor, ms | floor / torch fused's step |")
+        print("|---|---:|---:|---:|")
+        for r in in_cache:
+            ratio = f"{r['floor_ratio']:.2f}" if r["floor_ratio"] is not None else "-"
+            print(f"| {r['name']} | {r['ns_per_param']:.2f} | {r['floor_ms']:.1f} | {ratio} |")
     print_table("memory copy, the bandwidth a step could reach", copy_table, None)
     copy_gbps = copy_table[0]["gbps"]
     for r in step_table:
@@ -254,7 +322,7 @@ def main(argv=None) -> dict:
     if many_table:
         print_table(f"the same step over {count} parameters of {size} elements each", many_table, baseline)
     print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
-    result = dict(config=config, step=step_table, copy=copy_table,
+    result = dict(config=config, step=step_table, in_cache=in_cache, copy=copy_table,
                   many=dict(count=count, size=size, step=many_table), quantization=quant_table)
     if args.json:
         with open(args.json, "w") as f:

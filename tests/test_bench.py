@@ -9,7 +9,7 @@ from ds_q8 import bench
 def test_bench_small_run_writes_every_table(tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench.main(["--n", "3000", "--reps", "1", "--many", "3", "700", "--skip", "foreach", "--skip", "DeepSpeedCPUAdam",
-                         "--json", str(out)])
+                         "--in-cache", "2048", "8192", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     names = [r["name"] for r in result["step"]]
     assert "ds_q8 AdamW8bitBlock (kernel)" in names and "torch AdamW fused" in names
@@ -22,6 +22,26 @@ def test_bench_small_run_writes_every_table(tmp_path, capsys):
         assert r["ms"] > 0 and r["gbps"] > 0, r
     printed = capsys.readouterr().out
     assert "% of the copy's" in printed and "| torch AdamW fused |" in printed
+    # the arithmetic-only cost: one row per implementation of IN_CACHE_ROWS that ran, torch's floor
+    # set against torch's own measured step
+    assert [r["name"] for r in result["in_cache"]] == ["ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", "torch AdamW fused"]
+    torch_ms = next(r["ms"] for r in result["step"] if r["name"] == "torch AdamW fused")
+    for r in result["in_cache"]:
+        assert r["ns_per_param"] >= 0 and r["small_us"] > 0 and r["large_us"] > 0, r
+        assert r["floor_ms"] == pytest.approx(r["ns_per_param"] * 1e-6 * 3000 / result["config"]["threads"])
+        assert r["floor_ratio"] == pytest.approx(r["floor_ms"] / torch_ms)
+    assert "compute floor, ms" in printed
+
+
+def test_bench_in_cache_restores_the_thread_count_and_can_be_skipped():
+    import torch
+    threads = torch.get_num_threads()
+    result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
+                         "--in-cache", "0", "0"])
+    assert result["in_cache"] == [] and torch.get_num_threads() == threads
+    result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
+                         "--in-cache", "1024", "2048"])
+    assert len(result["in_cache"]) == 2 and torch.get_num_threads() == threads
 
 
 def test_bench_no_reference_leaves_out_every_reference_row():
@@ -38,6 +58,8 @@ def test_bench_no_reference_leaves_out_every_reference_row():
     (["--reps", "0"], "--reps must be >= 1"),
     (["--many", "0", "5"], "--many needs two positive numbers"),
     (["--device", "tpu"], "--device must be cpu or cuda"),
+    (["--in-cache", "4096", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
+    (["--in-cache", "0", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
