@@ -74,16 +74,17 @@ def _reference_step(opt) -> Callable[[], None]:
     return step
 
 
-def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, skip=()) -> List[dict]:
+def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, skip=(), only=None) -> List[dict]:
     """(name, bytes per param, step function) for every implementation available here, each stepping
-    ``count`` parameters of ``n`` elements; rows whose name contains a string of ``skip`` are left out."""
+    ``count`` parameters of ``n`` elements; rows whose name contains a string of ``skip``, or is not
+    in ``only`` when it is given, are left out (and never built)."""
     rows = []
 
     def _param(n, device, seed):
         return _params(n, device, seed, count)
 
     def add(name, bytes_per_param, make):
-        if any(s and s in name for s in skip):
+        if any(s and s in name for s in skip) or (only is not None and name not in only):
             return
         try:
             rows.append(dict(name=name, bytes=bytes_per_param, step=make()))
@@ -191,10 +192,9 @@ def in_cache_table(sizes, reps: int, n: int, threads: int, skip=(), torch_ms: Op
     try:
         rows = []
         for size in (small, large):
-            for row in optimizer_rows(size, "cpu", False, skip=skip):
-                if row["name"] in IN_CACHE_ROWS:
-                    row["size"] = size
-                    rows.append(row)
+            for row in optimizer_rows(size, "cpu", False, skip=skip, only=IN_CACHE_ROWS):
+                row["size"] = size
+                rows.append(row)
         # about 2 ms per timed repetition, so that timer resolution and scheduling noise stay small
         inner = max(1, (2 << 20) // large)
         measure(rows, max(reps, 9), "cpu", inner=inner)
@@ -308,7 +308,7 @@ def main(argv=None) -> dict:
         print(f"\ncost per parameter with the data in cache (one thread; slope between {small} and {large} "
               f"parameters), and the time {args.n} parameters would take on {config['threads']} threads if "
               f"memory cost nothing")
-        print(f"| implementation | ns / parameter / core | compute floor, ms | floor / torch fused's step |")
+        print("| implementation | ns / parameter / core | compute floor, ms | floor / torch fused's step |")
         print("|---|---:|---:|---:|")
         for r in in_cache:
             ratio = f"{r['floor_ratio']:.2f}" if r["floor_ratio"] is not None else "-"
