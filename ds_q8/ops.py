@@ -12,7 +12,6 @@ Environment:
 """
 from __future__ import annotations
 
-import operator
 import os
 import warnings
 from typing import Dict, Optional
@@ -92,63 +91,41 @@ def _call(module, name, t, *args):
     return getattr(module, name)(*args)
 
 
-def fused_step(optimizer, p, grad, state, group, hyper) -> bool:
-    """Run the 8-bit step of ``p`` in a compiled kernel; False means "use the reference"."""
-    rule = getattr(optimizer, "update_rule", "")
-    if not rule or p.dtype not in _SUPPORTED or grad.dtype not in (p.dtype, torch.float32):
-        return False
-    if not p.is_contiguous() or grad.device != p.device:
-        return False
-    if group["block_size"] is None:  # one absmax per tensor (ablations): the reference handles it
-        return False
-    module = _op_for(p)
-    if module is None:
-        return False
-    if rule not in module.rules():
-        _warn_once(f"rule-{rule}", f"ds_q8: no fused kernel for update rule '{rule}'; using the reference step")
-        return False
-    k = len(optimizer.state_signed)
-    codes = [state[f"state{i}"] for i in range(1, k + 1)]
-    absmax = [state[f"absmax{i}"] for i in range(1, k + 1)]
-    maps = optimizer._maps(group, p.device)
+def _kernel_maps(optimizer, group, device, module):
+    """The maps and their lookup tables for a kernel call, or None (one warning) when a map has none."""
+    maps = optimizer._maps(group, device)
     try:
-        lookups = [_lookup(m, module) for m in maps]
+        return maps, [_lookup(m, module) for m in maps]
     except ValueError as exc:  # a map too dense for the one-comparison table
         _warn_once(f"map-{group['quantization']}", f"ds_q8: no fused kernel for this map ({exc}); using the "
                                                    "reference step")
-        return False
-    _call(module, "step", p, rule, p.data, grad.contiguous(), codes, absmax, maps, lookups,
-          group["block_size"], dict(hyper))
-    return True
+        return None
 
 
-def _getter(keys):
-    """state dict -> tuple of its values under ``keys`` (the binding takes a tuple as a list)."""
-    if len(keys) == 1:  # itemgetter of one key returns the value itself, not a tuple
-        key = keys[0]
-        return lambda st: (st[key],)
-    return operator.itemgetter(*keys)
+def fused_step(optimizer, p, grad, codes, absmax, group, hyper) -> bool:
+    """Run the 8-bit step of one tensor (or piece) in a compiled kernel; False means "use the reference".
 
-
-# number of states -> (codes or fp32 states, block maxima) of a parameter's state dict
-_STATE_GETTERS = {k: (_getter([f"state{i}" for i in range(1, k + 1)]),
-                      _getter([f"absmax{i}" for i in range(1, k + 1)])) for k in (1, 2)}
+    ``codes``/``absmax`` are its state's codes and block maxima, one per state; its first element
+    starts a block.
+    """
+    return not fused_step_many(optimizer, [(p, grad, tuple(codes), tuple(absmax))], group, hyper)
 
 
 def fused_step_many(optimizer, items, group, hyper) -> list:
-    """The 8-bit step of many parameters that share ``group`` and ``hyper``, in one kernel call.
+    """The 8-bit step of many tensors that share ``group`` and ``hyper``, in one kernel call.
 
-    ``items`` are ``(p, grad, state)`` with 8-bit state. Parameters are batched by device and
-    dtypes; each batch is one call (on CPU one parallel loop over all its blocks). Returns the items
-    it did not step, which the caller steps one at a time.
+    ``items`` are ``(param, grad, codes, absmax)``: a tensor or a piece of one (a view) whose first
+    element starts a block, its gradient, and its states' codes and block maxima. They are batched
+    by device and dtypes; each batch is one call (on CPU one parallel loop over all its blocks).
+    Returns the items it did not step, which the caller steps with the reference.
     """
     rule = getattr(optimizer, "update_rule", "")
     if not rule or group["block_size"] is None or not kernels_enabled():
         return list(items)
-    batches: Dict[tuple, tuple] = {}
+    batches: Dict[tuple, list] = {}
     rest = []
-    for item in items:  # cheap attribute reads only: this loop runs once per parameter per step
-        p, grad, _ = item
+    for item in items:  # cheap attribute reads only: this loop runs once per tensor per step
+        p, grad = item[0], item[1]
         pd, gd, cuda = p.dtype, grad.dtype, p.is_cuda
         if (pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32) or not p.is_contiguous()
                 or grad.is_cuda is not cuda or (not cuda and not p.is_cpu)):
@@ -157,47 +134,45 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
         key = (p.get_device() if cuda else -1, pd, gd)
         batch = batches.get(key)
         if batch is None:
-            batch = batches[key] = ([], [], [], [], [])
-        batch[0].append(item)
-    state_of, absmax_of = _STATE_GETTERS[len(optimizer.state_signed)]
-    for batch, params, grads, states, absmax in batches.values():
+            batch = batches[key] = []
+        batch.append(item)
+    for batch in batches.values():
         device = batch[0][0].device
         module = load_op(device.type)
-        if module is None or not hasattr(module, "step_many") or rule not in module.rules():
-            rest.extend(batch)  # fused_step then warns once and picks the kernel or the reference
-            continue
-        maps = optimizer._maps(group, device)
-        try:
-            lookups = [_lookup(m, module) for m in maps]
-        except ValueError:
+        if module is None or not hasattr(module, "step_many"):
             rest.extend(batch)
             continue
-        for p, g, st in batch:
-            params.append(p)  # the kernel writes p's memory in place, as p.data would
-            grads.append(g if g.is_contiguous() else g.contiguous())
-            states.append(state_of(st))
-            absmax.append(absmax_of(st))
-        _call(module, "step_many", params[0], rule, params, grads, states, absmax, maps, lookups,
-              group["block_size"], dict(hyper))
+        if rule not in module.rules():
+            _warn_once(f"rule-{rule}", f"ds_q8: no fused kernel for update rule '{rule}'; using the reference step")
+            rest.extend(batch)
+            continue
+        maps = _kernel_maps(optimizer, group, device, module)
+        if maps is None:
+            rest.extend(batch)
+            continue
+        # the kernel writes each param's memory in place, as p.data would
+        params = [it[0] for it in batch]
+        grads = [g if g.is_contiguous() else g.contiguous() for g in (it[1] for it in batch)]
+        _call(module, "step_many", params[0], rule, params, grads, [it[2] for it in batch], [it[3] for it in batch],
+              maps[0], maps[1], group["block_size"], dict(hyper))
     return rest
 
 
 def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
-    """The same fused step for CPU parameters whose state is float32 (``optim_bits=32`` or below
-    ``min_8bit_size``), batched like :func:`fused_step_many`. Returns the items it did not step."""
+    """The same fused step for CPU tensors whose state is float32 (``optim_bits=32`` or below
+    ``min_8bit_size``): ``items`` are ``(param, grad, states)``, batched like :func:`fused_step_many`.
+    Returns the items it did not step."""
     rule = getattr(optimizer, "update_rule", "")
     if not rule or not kernels_enabled():
         return list(items)
     module = load_op("cpu")
     if module is None or not hasattr(module, "step_fp32_many") or rule not in module.rules():
         return list(items)
-    state_of = _STATE_GETTERS[len(optimizer.state_signed)][0]
     batches: Dict[tuple, tuple] = {}
     rest = []
     for item in items:
-        p, grad, st = item
+        p, grad, states = item
         pd, gd = p.dtype, grad.dtype
-        states = state_of(st)
         if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
                 or not p.is_contiguous() or not all(s.is_contiguous() for s in states)):
             rest.append(item)

@@ -59,8 +59,9 @@ def kernel_available(model, opt) -> bool:
     state: dict = {}
     group = probe_opt.param_groups[0]
     probe_opt._init_state(probe, group, state)
-    state["step"] = 1
-    return bool(ops.fused_step(probe_opt, probe, torch.zeros_like(probe), state, group, probe_opt._hyper(group, 1)))
+    codes, absmax = (state["state1"], state["state2"]), (state["absmax1"], state["absmax2"])
+    return bool(ops.fused_step(probe_opt, probe, torch.zeros_like(probe), codes, absmax, group,
+                               probe_opt._hyper(group, 1)))
 
 
 def run(steps: int, warmup: int, every: int, width: int, batch: int, seed: int, log=print) -> dict:

@@ -107,7 +107,7 @@ def test_stable_embedding_replaces_wte_and_stays_tied():
     assert wte.weight.grad is not None and wte.norm.weight.grad is not None
     opt = ablation.make_optimizer("8-bit dynamic block-wise", model, 1e-3, cfg)
     opt.step()
-    assert opt.state[wte.weight]["state1"].dtype == torch.float32  # StableEmbedding keeps 32-bit state
+    assert opt.state[wte.weight]["state1_fp32"].dtype == torch.float32  # StableEmbedding keeps 32-bit state
     plain = ablation.build_model(cfg, stable_embedding=False, seed=0)
     plain(torch.zeros(1, 8, dtype=torch.long)).logits.sum().backward()
     opt = ablation.make_optimizer("8-bit dynamic block-wise", plain, 1e-3, cfg)

@@ -98,7 +98,7 @@ def _trained(cls, steps=3, **kw):
 def test_fp32_export_then_load_requantizes(cls, universal):
     p, opt = _trained(cls)
     sd = opt.state_dict()
-    assert sd["ds_q8"] == {"optimizer": cls.__name__}
+    assert sd["ds_q8"]["optimizer"] == cls.__name__ and sd["ds_q8"]["state_names"] == list(cls.state_names)
     exported = cls.export_fp32_state_dict(sd, universal=universal)
     names = cls.universal_names() if universal else cls.state_names
     assert sorted(k for k in exported["state"][0] if k != "step") == sorted(names)
@@ -134,8 +134,8 @@ def test_state_written_by_a_universal_loader_is_adopted_on_step():
         o.step()
     assert sorted(opt2.state[p2]) == ["absmax1", "absmax2", "state1", "state2", "step"]
     assert opt2.state[p2]["step"] == 4
-    carried = float((p2 - p_ref).abs().max())
-    reset = float((p_fresh - p_ref).abs().max())
+    carried = float((p2 - p_ref).detach().abs().max())
+    reset = float((p_fresh - p_ref).detach().abs().max())
     assert carried < 0.05 * reset, (carried, reset)
 
 

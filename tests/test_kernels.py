@@ -202,8 +202,7 @@ def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     opt = cls([p], **kw)
     p.grad = torch.randn(5000)
     opt.step()
-    # whole-tensor rules (a norm per parameter) step one tensor per call; the others are batched
-    assert calls == (["step"] if cls.needs_norms else ["step_many"])
+    assert calls == ["step_many"]
 
 
 # ---------------------------------------------------------------------------- non-finite check

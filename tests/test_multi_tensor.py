@@ -87,14 +87,15 @@ def test_one_call_per_batch(monkeypatch):
     assert sorted(calls) == [("step_many", 7), ("step_many", 50)]
 
 
-def test_whole_tensor_rules_stay_per_tensor(monkeypatch):
+def test_whole_parameter_rules_take_one_call_per_parameter(monkeypatch):
+    # each parameter has its own trust ratio, hence its own step scalars and its own kernel call
     calls = spy_calls(monkeypatch)
     params = [torch.nn.Parameter(torch.randn(300)) for _ in range(3)]
     opt = ds_q8.LAMB8bitBlock(params, lr=1e-3, min_8bit_size=0, block_size=128)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert calls == [("step", 1)] * 3
+    assert calls == [("step_many", 1)] * 3
 
 
 def test_noncontiguous_and_32bit_params_go_their_own_way(monkeypatch):

@@ -35,13 +35,13 @@ class Adagrad8bitBlock(Optimizer8bitBlock):
         init = float(group["initial_accumulator_value"])
         if init == 0.0:
             return
-        if self.is_8bit_state(state):
+        if "state1" in state:
             # a constant is exact in every map: the code for 1.0 scaled by absmax = the constant
             one = int(torch.argmax(get_map(group["quantization"], False, "cpu")))
             state["state1"].fill_(one)
             state["absmax1"].fill_(init)
-        else:
-            state["state1"].fill_(init)
+        if "state1_fp32" in state:
+            state["state1_fp32"].fill_(init)
 
     def _hyper(self, group: dict, step: int) -> Dict[str, float]:
         return dict(

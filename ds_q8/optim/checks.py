@@ -1,0 +1,79 @@
+"""Hyperparameter checks shared by every optimizer: each error names the field and its valid range."""
+from __future__ import annotations
+
+import math
+from typing import Dict
+
+from .. import functional as F
+
+QUANTIZATIONS = ("dynamic", "linear")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, hi_open: bool = False):
+    """Raise ValueError naming ``name`` unless ``value`` is a number in the stated interval."""
+    if hi == math.inf:  # no hyperparameter may be infinite: one inf lr or eps turns every update to NaN
+        hi_open = True
+    left = "(" if lo_open else "["
+    right = ")" if hi_open else "]"
+    interval = f"{left}{lo}, {hi}{right}"
+    if not _is_number(value) or (isinstance(value, float) and math.isnan(value)):
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if bad_lo or bad_hi:
+        raise ValueError(f"{name} must be in {interval}, got {value}")
+
+
+def check_common_group(group: dict) -> None:
+    """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization."""
+    check_range("lr", group["lr"], 0.0, math.inf)
+    if group["block_size"] is not None:
+        try:
+            F.check_block_size(group["block_size"])
+        except ValueError:
+            raise ValueError(
+                f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}] "
+                f"or None (one block per tensor), got {group['block_size']!r}"
+            ) from None
+    mbs = group["min_8bit_size"]
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
+        raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
+    if group["optim_bits"] not in (8, 32) or isinstance(group["optim_bits"], bool):
+        raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+    if group["quantization"] not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {group['quantization']!r}")
+
+
+def resolve_betas(betas) -> tuple:
+    if isinstance(betas, (list, tuple)) and len(betas) == 2:
+        return tuple(betas)
+    raise ValueError(f"betas must be a pair (beta1, beta2) with each in [0, 1), got {betas!r}")
+
+
+def check_betas(group: dict) -> None:
+    """Validate ``group["betas"]`` (a list from JSON becomes a tuple)."""
+    beta1, beta2 = resolve_betas(group["betas"])
+    group["betas"] = (beta1, beta2)
+    check_range("betas[0]", beta1, 0.0, 1.0, hi_open=True)
+    check_range("betas[1]", beta2, 0.0, 1.0, hi_open=True)
+
+
+def check_adam_group(group: dict) -> None:
+    """The checks shared by the Adam-style rules (Adam, AdamW, LAMB): betas, eps, weight_decay."""
+    check_betas(group)
+    check_range("eps", group["eps"], 0.0, math.inf)
+    check_range("weight_decay", group["weight_decay"], 0.0, math.inf)
+
+
+def beta_hyper(group: dict) -> Dict[str, float]:
+    """The step scalars every two-beta rule uses."""
+    beta1, beta2 = group["betas"]
+    return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
+
+
+__all__ = ["check_range", "check_common_group", "resolve_betas", "check_betas", "check_adam_group", "beta_hyper",
+           "QUANTIZATIONS"]

@@ -1,0 +1,307 @@
+"""Where each element of an optimized tensor comes from, and how its state is stored.
+
+An optimizer steps *tensors*: an ordinary parameter, or under ZeRO a flat partition that holds
+slices of many parameters. A :class:`StateLayout` describes one such tensor as *segments*: the
+range ``[start, start + numel)`` of the tensor holds elements ``[param_start, param_start + numel)``
+of original parameter ``param_index`` (of ``param_numel`` elements). Whether a segment keeps 8-bit
+or fp32 state is decided per original parameter, never from the tensor's size.
+
+Quantization blocks belong to parameters, not to tensors: block ``k`` of a parameter covers its
+elements ``[k * block_size, (k + 1) * block_size)`` wherever a partition edge falls. A block that
+a partition edge cuts is *shared*: two (or more) ranks hold parts of it, each keeps a copy of its
+absmax, and the ranks agree on that absmax through one all-reduce MAX per step (the layout's
+``comm``). Each parameter's codes and block maxima are therefore those the unsharded optimizer
+holds, at any world size.
+
+State storage of a tensor, per state ``i`` (1 or 2):
+  * ``state{i}``: uint8 codes of the 8-bit segments, packed in tensor order (shaped like the
+    tensor when one 8-bit segment covers all of it);
+  * ``absmax{i}``: float32 block maxima of those segments, each segment's blocks in order
+    (a shared block is stored by every rank that holds part of it);
+  * ``state{i}_fp32``: float32 values of the fp32 segments, packed in tensor order (shaped like
+    the tensor when one fp32 segment covers all of it).
+Padding (elements no segment covers, e.g. the end of ZeRO's last partition) has no state.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+
+class Segment(NamedTuple):
+    """``numel`` elements at ``start`` of the tensor are elements ``param_start..`` of one parameter."""
+    start: int
+    numel: int
+    param_index: int
+    param_start: int
+    param_numel: int
+    eight_bit: bool
+    name: Optional[str] = None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.numel
+
+    @property
+    def param_end(self) -> int:
+        return self.param_start + self.numel
+
+
+class Piece(NamedTuple):
+    """A range of the tensor stepped as one unit, with where its state lives.
+
+    8-bit pieces: ``codes_start`` indexes the packed codes, ``absmax_start``/``absmax_count``
+    the block maxima; the piece starts on a block boundary of its parameter, so a kernel that
+    starts a block at the piece's first element reproduces the parameter's blocks. A *shared*
+    piece is the local part of one block that other ranks also hold; ``slot`` is that block's
+    position in the all-reduce vector. fp32 pieces: ``codes_start`` indexes the packed fp32 values.
+    """
+    start: int
+    end: int
+    codes_start: int
+    absmax_start: int
+    absmax_count: int
+    segment: int
+    slot: int = -1
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class Comm:
+    """What a sharded layout needs from its process group: element-wise MAX and SUM across ranks.
+
+    ``ds_q8.integration.zero_layout`` supplies one backed by ``torch.distributed``; anything with
+    these two methods (acting in place) will do.
+    """
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+def segment_block_size(block_size: Optional[int], param_numel: int) -> int:
+    """The block length of a parameter's state: ``block_size``, or the whole parameter when None."""
+    return max(1, param_numel) if block_size is None else block_size
+
+
+def shared_blocks(segments: Sequence[Segment], block_size: Optional[int]) -> List[Tuple[int, int]]:
+    """``(param_index, block)`` of every block that this tensor holds only part of (8-bit segments)."""
+    out = []
+    for seg in segments:
+        if not seg.eight_bit or seg.numel == 0:
+            continue
+        bs = segment_block_size(block_size, seg.param_numel)
+        first, last = seg.param_start // bs, (seg.param_end - 1) // bs
+        for b in sorted({first, last}):
+            lo, hi = b * bs, min((b + 1) * bs, seg.param_numel)
+            if seg.param_start > lo or seg.param_end < hi:
+                out.append((seg.param_index, b))
+    return out
+
+
+class StateLayout:
+    """The segments of one optimized tensor and the storage of their state (see the module doc)."""
+
+    def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
+                 comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
+                 num_slots: int = 0, num_params: Optional[int] = None):
+        self.shape = tuple(shape)
+        self.numel = 1
+        for d in self.shape:
+            self.numel *= int(d)
+        self.segments: Tuple[Segment, ...] = tuple(sorted(segments, key=lambda s: s.start))
+        self.block_size = block_size
+        self.comm = comm
+        self.num_slots = int(num_slots)
+        #: how many parameters the tensor was built from (the same on every rank: per-parameter
+        #: sums such as LAMB's norms are all-reduced as vectors of this length)
+        self.num_params = int(num_params) if num_params is not None else 1 + max(
+            (s.param_index for s in self.segments), default=-1)
+        prev = 0
+        for s in self.segments:
+            if s.start < prev or s.end > self.numel or s.numel < 0:
+                raise ValueError(f"segments overlap or leave the tensor of {self.numel} elements: {self.segments}")
+            if s.param_start < 0 or s.param_end > s.param_numel:
+                raise ValueError(f"segment {s} reaches outside its parameter of {s.param_numel} elements")
+            prev = s.end
+        self.pieces8: List[Piece] = []
+        self.shared8: List[Piece] = []
+        self.pieces32: List[Piece] = []
+        self.segment_codes: List[int] = []   # per segment: offset in the packed codes or fp32 values
+        self.segment_absmax: List[int] = []  # per segment: offset of its first block maximum (8-bit)
+        n8 = n32 = nb = 0
+        for si, seg in enumerate(self.segments):
+            if not seg.eight_bit:
+                self.segment_codes.append(n32)
+                self.segment_absmax.append(-1)
+                if seg.numel:
+                    self.pieces32.append(Piece(seg.start, seg.end, n32, 0, 0, si))
+                n32 += seg.numel
+                continue
+            self.segment_codes.append(n8)
+            self.segment_absmax.append(nb)
+            if seg.numel == 0:
+                continue
+            bs = segment_block_size(block_size, seg.param_numel)
+            first, last = seg.param_start // bs, (seg.param_end - 1) // bs
+            whole_lo, whole_hi = first, last
+            for b in sorted({first, last}):
+                lo, hi = b * bs, min((b + 1) * bs, seg.param_numel)
+                if seg.param_start <= lo and seg.param_end >= hi:
+                    continue
+                if slots is None or (seg.param_index, b) not in slots:
+                    raise ValueError(f"block {b} of parameter {seg.param_index} is cut by a partition edge, "
+                                     "but the layout was given no slot to agree on its absmax across ranks")
+                a, z = max(lo, seg.param_start), min(hi, seg.param_end)
+                self.shared8.append(Piece(seg.start + a - seg.param_start, seg.start + z - seg.param_start,
+                                          n8 + a - seg.param_start, nb + b - first, 1, si, slots[(seg.param_index, b)]))
+                if b == first:
+                    whole_lo = first + 1
+                if b == last:
+                    whole_hi = last - 1
+            if whole_lo <= whole_hi:
+                a, z = whole_lo * bs, min((whole_hi + 1) * bs, seg.param_numel)
+                self.pieces8.append(Piece(seg.start + a - seg.param_start, seg.start + z - seg.param_start,
+                                          n8 + a - seg.param_start, nb + whole_lo - first, whole_hi - whole_lo + 1, si))
+            n8 += seg.numel
+            nb += last - first + 1
+        self.pieces8.sort(key=lambda p: p.start)
+        self.shared8.sort(key=lambda p: p.start)
+        self.num_codes, self.num_blocks, self.num_fp32 = n8, nb, n32
+        #: whether the state has codes (``state{i}``, ``absmax{i}``) and fp32 values (``state{i}_fp32``)
+        self.has8 = any(s.eight_bit for s in self.segments)
+        self.has32 = any(not s.eight_bit for s in self.segments)
+        #: one 8-bit segment covering the whole tensor from its parameter's start: state shaped like the tensor
+        self.whole8 = (len(self.segments) == 1 and self.segments[0].eight_bit and n8 == self.numel
+                       and not self.shared8)
+        self.whole32 = len(self.segments) == 1 and not self.segments[0].eight_bit and n32 == self.numel
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_parameter(cls, p: torch.Tensor, eight_bit: bool, block_size: Optional[int],
+                      name: Optional[str] = None) -> "StateLayout":
+        """An ordinary parameter: one segment, the whole of it."""
+        n = p.numel()
+        return cls(p.shape, [Segment(0, n, 0, 0, n, eight_bit, name)], block_size)
+
+    @property
+    def sharded(self) -> bool:
+        return self.num_slots > 0
+
+    def state_shapes(self) -> Tuple[tuple, tuple]:
+        """Shapes of ``state{i}`` (codes) and ``state{i}_fp32`` for this tensor."""
+        codes = self.shape if self.whole8 else (self.num_codes,)
+        fp32 = self.shape if self.whole32 else (self.num_fp32,)
+        return codes, fp32
+
+    def describe(self) -> dict:
+        """A plain-data copy (ints, bools, strings) for checkpoints and offline tools."""
+        return {"shape": list(self.shape), "block_size": self.block_size,
+                "segments": [list(s) for s in self.segments]}
+
+    def same_as(self, desc: dict) -> bool:
+        return (list(desc.get("shape", [])) == list(self.shape) and desc.get("block_size") == self.block_size
+                and [tuple(s)[:6] for s in desc.get("segments", [])] == [tuple(s)[:6] for s in self.segments])
+
+    @staticmethod
+    def segments_of(desc: dict) -> List[Segment]:
+        return [Segment(*s) for s in desc["segments"]]
+
+    # ------------------------------------------------------------------ per segment
+    def segment_blocks(self, si: int) -> Tuple[int, int, int]:
+        """(first block, number of blocks, block size) of 8-bit segment ``si`` within its parameter."""
+        seg = self.segments[si]
+        bs = segment_block_size(self.block_size, seg.param_numel)
+        if seg.numel == 0:
+            return seg.param_start // bs, 0, bs
+        first, last = seg.param_start // bs, (seg.param_end - 1) // bs
+        return first, last - first + 1, bs
+
+    def pieces_of(self, si: int) -> List[Piece]:
+        """The pieces of segment ``si`` in tensor order."""
+        by_segment = self.__dict__.get("_by_segment")
+        if by_segment is None:
+            by_segment = [[] for _ in self.segments]
+            for piece in self.pieces8 + self.shared8 + self.pieces32:
+                by_segment[piece.segment].append(piece)
+            for lst in by_segment:
+                lst.sort(key=lambda p: p.start)
+            self._by_segment = by_segment
+        return by_segment[si]
+
+    @staticmethod
+    def param_views(p: torch.Tensor) -> torch.Tensor:
+        """The optimized tensor as a flat view (pieces slice it)."""
+        return p.detach().view(-1)
+
+    def splits(self) -> Tuple[List[int], List[int], List[int], List[int]]:
+        """Sizes that cut the whole tensor into its pieces and the gaps between them, and where the
+        8-bit, fp32 and shared pieces fall in that cut: one ``split`` then gives every piece's view."""
+        cached = self.__dict__.get("_splits")
+        if cached is not None:
+            return cached
+        marks = [(p.start, p.end, 0, i) for i, p in enumerate(self.pieces8)]
+        marks += [(p.start, p.end, 1, i) for i, p in enumerate(self.pieces32)]
+        marks += [(p.start, p.end, 2, i) for i, p in enumerate(self.shared8)]
+        sizes, where, pos = [], ([0] * len(self.pieces8), [0] * len(self.pieces32), [0] * len(self.shared8)), 0
+        for start, end, kind, i in sorted(marks):
+            if start > pos:
+                sizes.append(start - pos)
+            where[kind][i] = len(sizes)
+            sizes.append(end - start)
+            pos = end
+        if pos < self.numel:
+            sizes.append(self.numel - pos)
+        self._splits = (sizes,) + where
+        return self._splits
+
+    def shared_index(self, device, which: Optional[List[int]] = None):
+        """Index tensors over the shared pieces (all, or those listed in ``which``): each element's
+        position in the tensor and in the packed codes, each piece's absmax position, each element's
+        piece (owner), and each piece's slot. Made once per device for all pieces."""
+        key = ("_shared_index", str(device))
+        if which is None and key in self.__dict__:
+            return self.__dict__[key]
+        pieces = self.shared8 if which is None else [self.shared8[j] for j in which]
+        elem = torch.cat([torch.arange(p.start, p.end) for p in pieces])
+        code_at = torch.cat([torch.arange(p.codes_start, p.codes_start + p.numel) for p in pieces])
+        absmax_at = torch.tensor([p.absmax_start for p in pieces], dtype=torch.long)
+        owner = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor([p.numel for p in pieces]))
+        slots = torch.tensor([p.slot for p in pieces], dtype=torch.long)
+        out = tuple(t.to(device) for t in (elem, code_at, absmax_at, owner, slots))
+        if which is None:
+            self.__dict__[key] = out
+        return out
+
+    def cached_views(self, state: dict, k: int) -> list:
+        """``(piece, codes views, absmax views)`` of every whole-block 8-bit piece, made once per state."""
+        tensors = tuple(state[f"{name}{i}"] for name in ("state", "absmax") for i in range(1, k + 1))
+        cache = self.__dict__.get("_views")
+        if cache is not None and len(cache[0]) == len(tensors) and all(a is b for a, b in zip(cache[0], tensors)):
+            return cache[1]
+        codes = [t.view(-1) for t in tensors[:k]]
+        absmax = tensors[k:]
+        views = [(piece, tuple(c[piece.codes_start:piece.codes_start + piece.numel] for c in codes),
+                  tuple(a[piece.absmax_start:piece.absmax_start + piece.absmax_count] for a in absmax))
+                 for piece in self.pieces8]
+        self._views = (tensors, views)
+        return views
+
+    def forget_views(self) -> None:
+        """Drop cached state views (after the state tensors were replaced)."""
+        self.__dict__.pop("_views", None)
+
+    def find_param(self, param_index: int) -> Optional[int]:
+        """Index of the segment holding part of parameter ``param_index``, or None."""
+        for si, seg in enumerate(self.segments):
+            if seg.param_index == param_index and seg.numel > 0:
+                return si
+        return None
+
+
+__all__ = ["Segment", "Piece", "Comm", "StateLayout", "shared_blocks", "segment_block_size"]
