@@ -37,8 +37,10 @@ def register_with_deepspeed() -> bool:
     for cls in OPTIMIZERS.values():
         if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
             zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
-    from .integration import checkpoint_files, engine_checks
+    from .integration import checkpoint_files, engine_checks, universal, zero_layout
 
     engine_checks.install()
     checkpoint_files.install()
+    zero_layout.install()
+    universal.install()
     return True

@@ -3,9 +3,9 @@
 * same world size: save -> fresh processes -> load continues bit-identically (ZeRO 1, 2, 3,
   offload, bf16; Adam and Momentum);
 * 2 ranks -> 1 and 1 -> 2 through ``python -m ds_q8.checkpoint to-universal`` and DeepSpeed's
-  ``load_universal``: the 8-bit state is carried over (dequantized, requantized), not reset;
+  ``load_universal``: the 8-bit state is carried over code for code (the same dequantized values);
 * a checkpoint with another block size or other shapes is refused with a clear error;
-* per-rank state bytes at 2 ranks are half those at 1, within one block.
+* per-rank state bytes at 2 ranks add up to those at 1, plus one absmax per block an edge cuts.
 """
 import sys
 from pathlib import Path
@@ -100,11 +100,9 @@ def _dumped(prefix: Path, ranks: int):
 
 def _assert_carried_over(expected: dict, got: dict):
     for name, want in expected.items():
-        have = got[name]
         assert float(want.abs().max()) > 0, name
-        # requantized with other block boundaries: equal up to the 8-bit format's resolution
-        assert float((have - want).abs().max()) <= 0.02 * float(want.abs().max()), name
-        assert float(torch.nn.functional.cosine_similarity(have, want, dim=0)) > 0.999, name
+        # blocks belong to parameters, so the codes moved unchanged: the same values exactly
+        assert torch.equal(got[name], want), (name, float((got[name] - want).abs().max()))
 
 
 @pytest.mark.parametrize("tag,cls", [("s2", ds_q8.Adam8bitBlock), ("m2", ds_q8.Momentum8bitBlock)])
@@ -134,5 +132,8 @@ def test_one_rank_to_two_carries_state_over(flow):
 def test_two_ranks_hold_half_the_state_of_one(flow, stage):
     one = flow["c"][f"bytes_s{stage}"]["state_bytes"][0]["total"]
     two = [r["total"] for r in flow["a"][f"s{stage}"]["state_bytes"]]
-    for t in two:
-        assert abs(t - one / 2) <= 2 * (BLOCK + 4)  # two states, one block each
+    # together one copy of everything plus one more absmax per state for each block an edge cuts
+    cut = 1 if stage in (1, 2) else 9  # stage 3 cuts each of TinyLM's 9 parameters
+    assert one <= sum(two) <= one + 2 * 4 * cut
+    for t in two:  # each rank about half: small fp32 parameters may sit on either side
+        assert abs(t - one / 2) <= 2 * 4 * 1024

@@ -68,11 +68,15 @@ def test_each_rank_holds_only_its_partition(results, variant):
     stage = VARIANTS[variant][0]
     q8, ref = results[f"q8_{variant}"], results[f"ref_{variant}"]
     per_rank = [b["total"] for b in q8["state_bytes"]]
-    expected = estimate_state_bytes(ALL_PARAMS, stage, 2, block_size=256, min_8bit_size=1024)
-    assert per_rank == [expected, expected]
-    assert per_rank[0] < results["q8_s0"]["state_bytes"][0]["total"] / 2 + 256 * 4 * 2
+    assert per_rank == [estimate_state_bytes(ALL_PARAMS, stage, 2, block_size=256, min_8bit_size=1024, rank=r)
+                        for r in (0, 1)]
+    # the two ranks together hold one copy of everything, plus a second absmax (one float per state)
+    # for each block that a partition edge cuts: at most one at stages 1-2, one per parameter at stage 3
+    whole = results["q8_s0"]["state_bytes"][0]["total"]
+    cut = 1 if stage in (1, 2) else len(ALL_PARAMS[0])
+    assert whole <= sum(per_rank) <= whole + 2 * 4 * cut
     ref_bytes = ref["state_bytes"][0]["fp32"]
-    assert per_rank[0] < 0.26 * ref_bytes
+    assert max(per_rank) < 0.3 * ref_bytes
 
 
 def test_stage0_keeps_small_tensors_fp32(results):

@@ -1,33 +1,44 @@
-"""Make a ZeRO checkpoint written by a ds_q8 optimizer readable by DeepSpeed's universal tools.
+"""Universal checkpoints for ds_q8 optimizers: resume at any world size, code for code.
 
-Each rank's ``*_optim_states.pt`` holds that rank's partition as uint8 codes plus per-block
-maxima, under the names ``state1``/``absmax1``/... DeepSpeed's ``ds_to_universal`` looks only for
-fp32 ``exp_avg``/``exp_avg_sq``, and blocks end at partition boundaries, so codes cannot be cut
-and re-joined for another world size. The conversion therefore dequantizes every rank's
-partition to fp32 (exactly: codes times block maxima), names the states as universal
-checkpoints expect, and hands the result to ``ds_to_universal``. On load, DeepSpeed writes the
-fp32 state into the optimizer, which requantizes it with the new partitioning before its next
-step (``Optimizer8bitBlock._adopt_fp32_state``).
+DeepSpeed's ``ds_to_universal`` looks only for fp32 ``exp_avg``/``exp_avg_sq``. The conversion
+therefore writes each rank's state both ways:
 
-Optimizers with one state (``Momentum8bitBlock``) travel as ``exp_avg``; the ``exp_avg_sq``
-that ``ds_to_universal`` requires is written as zeros and ignored on load.
+* as fp32 under the universal names (exactly the dequantized codes), which ``ds_to_universal``
+  cuts into one file per parameter as for any Adam; any tool that reads universal checkpoints
+  sees real values, and a 32-bit optimizer can resume from them;
+* as the 8-bit codes and block maxima of each whole parameter (``<output>/ds_q8/<param>.pt``),
+  assembled from the segments every rank's layout records. Blocks belong to parameters, so a
+  parameter's codes do not depend on how it was partitioned.
+
+On ``engine.load_checkpoint`` with ``"checkpoint": {"load_universal": true}``, DeepSpeed first
+writes the fp32 values into the optimizer; then :func:`restore_after_load` (run on every rank by
+an engine hook) replaces each new partition's 8-bit segments with their saved codes and block maxima,
+untouched. Without the ``ds_q8`` folder (a universal checkpoint written by a 32-bit optimizer, say),
+or when the saved block size or map differs from the optimizer's, the fp32 values are requantized.
+
+Optimizers with one state (``Momentum8bitBlock``) travel as ``exp_avg``; the ``exp_avg_sq`` that
+``ds_to_universal`` requires is written as zeros and ignored on load.
 """
 from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 from argparse import Namespace
-from typing import List
+from typing import Dict, List, Optional
 
 import torch
 
-from ..optim.base import STATE_DICT_MARKER, UNIVERSAL_STATE_NAMES
+from ..optim.layout import StateLayout
+from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, universal_names_for
 
 _OPTIM_SUFFIX = "_optim_states.pt"
 _OUTER = "optimizer_state_dict"
 # where the wrapped optimizer's state_dict sits inside DeepSpeed's per-rank file, by ZeRO stage
 _INNER_KEYS = ("base_optimizer_state", "optimizer_state_dict")
+#: folder of per-parameter 8-bit state inside a universal checkpoint
+CODES_FOLDER = "ds_q8"
 
 
 def _optimizer_class(name: str):
@@ -51,15 +62,20 @@ def _find_optimizer_state(rank_sd: dict, path: str):
     raise ValueError(f"{path}: no optimizer state_dict under {list(_INNER_KEYS)}")
 
 
-def fp32_rank_state(inner: dict, path: str) -> dict:
-    """One rank's ds_q8 optimizer state_dict, rewritten with fp32 states under universal names."""
+def _marker(inner: dict, path: str) -> dict:
     marker = inner.get(STATE_DICT_MARKER)
     if not isinstance(marker, dict) or "optimizer" not in marker:
         raise ValueError(f"{path}: optimizer state was not written by a ds_q8 optimizer; "
                          "use DeepSpeed's ds_to_universal on it directly")
+    return marker
+
+
+def fp32_rank_state(inner: dict, path: str) -> dict:
+    """One rank's ds_q8 optimizer state_dict, rewritten with fp32 states under universal names."""
+    marker = _marker(inner, path)
     cls = _optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
-    names = cls.universal_names()
+    names = universal_names_for(marker.get("state_names", cls.state_names))
     for st in out["state"].values():
         for missing in UNIVERSAL_STATE_NAMES[len(names):]:
             if st:
@@ -68,8 +84,65 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     return out
 
 
-def to_fp32_checkpoint(input_folder: str, output_folder: str) -> List[str]:
-    """Copy a checkpoint tag folder, rewriting each rank's optimizer state as fp32 universal names."""
+class ParamCodes:
+    """One parameter's 8-bit state assembled from the segments of every rank."""
+
+    def __init__(self, name: str, numel: int, block_size, quantization: str, k: int, num_blocks: int):
+        self.name, self.numel, self.block_size, self.quantization = name, numel, block_size, quantization
+        self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
+        self.absmax = [torch.zeros(num_blocks, dtype=torch.float32) for _ in range(k)]
+        self.covered = torch.zeros(numel, dtype=torch.bool)
+
+    def payload(self, state_names) -> dict:
+        return {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
+                "state_names": list(state_names), "codes": self.codes, "absmax": self.absmax}
+
+
+def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> None:
+    """Add one rank's 8-bit segments (from its saved layouts) to ``into``, keyed by parameter name."""
+    marker = _marker(inner, path)
+    if marker.get("format") != STATE_FORMAT:
+        return  # written before parameter-aligned blocks: only the fp32 route exists
+    k = len(marker["state_names"])
+    group_of = {pid: g for g in inner["param_groups"] for pid in g["params"]}
+    for pid, st in inner["state"].items():
+        desc = marker["layouts"].get(pid, marker["layouts"].get(str(pid)))
+        if not st or desc is None or "state1" not in st:
+            continue
+        g = group_of[pid]
+        layout = StateLayout(desc["shape"], StateLayout.segments_of(desc), desc["block_size"],
+                             slots={b: 0 for b in _cut_blocks(desc)}, num_slots=0)
+        for si, seg in enumerate(layout.segments):
+            if not seg.eight_bit or seg.numel == 0:
+                continue
+            if not seg.name:
+                raise ValueError(f"{path}: a parameter slice has no name; the universal route needs DeepSpeed's "
+                                 "parameter names (engine.param_names)")
+            first, nb, bs = layout.segment_blocks(si)
+            entry = into.get(seg.name)
+            if entry is None:
+                total_blocks = (seg.param_numel + bs - 1) // bs
+                entry = into[seg.name] = ParamCodes(seg.name, seg.param_numel, g["block_size"], g["quantization"],
+                                                    k, total_blocks)
+            c0, a0 = layout.segment_codes[si], layout.segment_absmax[si]
+            for i in range(k):
+                entry.codes[i][seg.param_start:seg.param_end] = st[f"state{i + 1}"].reshape(-1)[c0:c0 + seg.numel]
+                entry.absmax[i][first:first + nb] = st[f"absmax{i + 1}"][a0:a0 + nb]
+            entry.covered[seg.param_start:seg.param_end] = True
+
+
+def _cut_blocks(desc: dict):
+    from ..optim.layout import shared_blocks
+
+    return set(shared_blocks(StateLayout.segments_of(desc), desc["block_size"]))
+
+
+def to_fp32_checkpoint(input_folder: str, output_folder: str,
+                       codes: Optional[Dict[str, ParamCodes]] = None) -> List[str]:
+    """Copy a checkpoint tag folder, rewriting each rank's optimizer state as fp32 universal names.
+
+    With ``codes`` (a dict), each parameter's 8-bit state is also assembled into it.
+    """
     if not os.path.isdir(input_folder):
         raise FileNotFoundError(f"checkpoint folder {input_folder!r} does not exist")
     if os.path.exists(output_folder):
@@ -83,8 +156,15 @@ def to_fp32_checkpoint(input_folder: str, output_folder: str) -> List[str]:
     for path in optim_files:
         rank_sd = torch.load(path, map_location="cpu", weights_only=False)
         outer, key, inner = _find_optimizer_state(rank_sd, path)
+        if codes is not None:
+            collect_param_codes(inner, path, codes)
         outer[key] = fp32_rank_state(inner, path)
         converted[os.path.basename(path)] = rank_sd
+    if codes:
+        holes = [c.name for c in codes.values() if not bool(c.covered.all())]
+        if holes:
+            raise ValueError(f"{input_folder!r}: the rank files do not cover all of parameters {holes[:5]}: "
+                             "a rank's file is missing")
     tmp = output_folder + ".partial"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -98,22 +178,155 @@ def to_fp32_checkpoint(input_folder: str, output_folder: str) -> List[str]:
     return sorted(converted)
 
 
+def _codes_file(folder: str, name: str) -> str:
+    return os.path.join(folder, CODES_FOLDER, name + ".pt")
+
+
 def to_universal(input_folder: str, output_folder: str, keep_fp32: bool = False, workers: int = 1) -> None:
     """Convert a ds_q8 ZeRO checkpoint tag folder into a DeepSpeed universal checkpoint folder.
 
     Load the result with ``"checkpoint": {"load_universal": true}`` in the DeepSpeed config and
-    ``engine.load_checkpoint(parent_dir, tag=basename(output_folder))``, at any world size.
+    ``engine.load_checkpoint(parent_dir, tag=basename(output_folder))``, at any world size. Nothing
+    is written at ``output_folder`` unless the whole conversion succeeds.
     """
     from deepspeed.checkpoint import ds_to_universal
 
     if os.path.exists(output_folder):
         raise FileExistsError(f"output folder {output_folder!r} already exists; choose a new one")
-    fp32_folder = output_folder.rstrip("/") + ".fp32"
-    to_fp32_checkpoint(input_folder, fp32_folder)
+    base = output_folder.rstrip("/")
+    fp32_folder, partial = base + ".fp32", base + ".partial"
+    codes: Dict[str, ParamCodes] = {}
+    shutil.rmtree(partial, ignore_errors=True)
+    to_fp32_checkpoint(input_folder, fp32_folder, codes)
     try:
-        ds_to_universal.main(Namespace(input_folder=fp32_folder, output_folder=output_folder,
+        ds_to_universal.main(Namespace(input_folder=fp32_folder, output_folder=partial,
                                        num_extract_workers=workers, num_merge_workers=workers,
                                        keep_temp_folder=False, strict=True, inject_missing_state=True))
+        if codes:
+            first = next(iter(_rank_markers(input_folder)))
+            os.makedirs(os.path.join(partial, CODES_FOLDER))
+            for name, entry in codes.items():
+                torch.save(entry.payload(first["state_names"]), _codes_file(partial, name))
+        os.replace(partial, base)
     finally:
+        shutil.rmtree(partial, ignore_errors=True)
         if not keep_fp32:
             shutil.rmtree(fp32_folder, ignore_errors=True)
+
+
+def _rank_markers(folder: str):
+    for path in sorted(glob.glob(os.path.join(folder, "*" + _OPTIM_SUFFIX))):
+        sd = torch.load(path, map_location="cpu", weights_only=False)
+        yield _marker(_find_optimizer_state(sd, path)[2], path)
+
+
+# ---------------------------------------------------------------------------- loading
+def _wrapped_ds_q8_optimizer(engine):
+    from ..optim.base import Optimizer8bitBlock
+
+    opt = getattr(engine, "optimizer", None)
+    for _ in range(4):
+        if isinstance(opt, Optimizer8bitBlock):
+            return opt
+        opt = getattr(opt, "optimizer", None)
+    return None
+
+
+def _saved_codes(folder: str, names, group: dict, opt, cache: dict) -> Optional[List[dict]]:
+    """The saved whole-parameter codes for ``names``, or None when any is missing or incompatible."""
+    out = []
+    for name in names:
+        if name is None:
+            return None
+        if name not in cache:
+            path = _codes_file(folder, name)
+            cache[name] = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+        saved = cache[name]
+        if (saved is None or saved["block_size"] != group["block_size"]
+                or saved["quantization"] != group["quantization"]
+                or list(saved["state_names"]) != list(opt.state_names)):
+            return None
+        out.append(saved)
+    return out
+
+
+def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
+    """After DeepSpeed loaded a universal checkpoint: put every saved code back (every rank)."""
+    opt = _wrapped_ds_q8_optimizer(engine)
+    if opt is None or not engine.load_universal_checkpoint():
+        return
+    load_optimizer_states = kwargs.get("load_optimizer_states", args[0] if args else True)
+    if not load_optimizer_states:
+        return
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(load_dir, str(tag))
+    cache: dict = {}
+    for tensor, layout in list(opt._layouts.items()):
+        if getattr(layout, "group", None) is None:
+            continue  # an ordinary parameter (ZeRO-0 has no universal checkpoints)
+        eight = [seg for seg in layout.segments if seg.eight_bit and seg.numel]
+        saved = _saved_codes(folder, [seg.name for seg in eight], layout.group, opt, cache)
+        ok = torch.tensor([1.0 if saved is not None else 0.0])
+        if layout.sharded:  # all ranks take the same route for a tensor whose blocks they share
+            ok.neg_()
+            layout.comm.all_reduce_max(ok)
+            ok.neg_()
+        if float(ok) == 1.0:
+            opt.restore_codes(tensor, dict(zip([seg.name for seg in eight], saved)))
+        elif layout.sharded:
+            opt.adopt_tensor_collectively(tensor)
+        else:
+            opt._adopt_fp32_state(tensor, opt.state[tensor])
+    for layout in opt._layouts.values():
+        layout.forget_views()
+
+
+def install() -> bool:
+    """Run :func:`restore_after_load` after ``DeepSpeedEngine._load_zero_checkpoint``."""
+    from . import engine_hooks
+
+    engine_hooks.run_before("load_checkpoint", _refuse_other_world_size, name="ds_q8.world_size")
+    return engine_hooks.run_after("_load_zero_checkpoint", _restore_hook, name="ds_q8.restore_codes")
+
+
+def _restore_hook(engine, result, *args, **kwargs) -> None:
+    restore_after_load(engine, *args, **kwargs)
+
+
+_SHARD_FILE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def saved_world_size(folder: str) -> Optional[int]:
+    """The data-parallel world size a ZeRO checkpoint folder was written at (its optimizer shards)."""
+    ranks = {int(m.group(1)) for m in map(_SHARD_FILE.search, os.listdir(folder)) if m}
+    return len(ranks) or None
+
+
+def _refuse_other_world_size(engine, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                             load_lr_scheduler_states=True, load_module_only=False, *args, **kwargs) -> None:
+    """DeepSpeed cannot resume ZeRO optimizer state at another world size (at stage 3 some ranks do not
+    even find their files); say, on every rank and before anything loads, how ds_q8 resumes it."""
+    if (_wrapped_ds_q8_optimizer(engine) is None or engine.load_universal_checkpoint() or not load_optimizer_states
+            or load_module_only or not engine.zero_optimization()):
+        return
+    if tag is None:
+        latest = os.path.join(str(load_dir), "latest")
+        if not os.path.isfile(latest):
+            return
+        with open(latest) as f:
+            tag = f.read().strip()
+    folder = os.path.join(str(load_dir), str(tag))
+    if not os.path.isdir(folder):
+        return
+    saved, now = saved_world_size(folder), getattr(engine, "seq_dp_world_size", None)
+    if saved is not None and now is not None and saved != now:
+        from deepspeed.runtime.zero.utils import ZeRORuntimeException
+
+        raise ZeRORuntimeException(
+            f"checkpoint {folder} was written at a data-parallel world size of {saved}, this run has {now}. "
+            f"Convert it once: python -m ds_q8.checkpoint to-universal {folder} {folder}_universal ; then load "
+            f"tag '{os.path.basename(folder)}_universal' with \"checkpoint\": {{\"load_universal\": true}}. "
+            "The 8-bit state moves code for code.")

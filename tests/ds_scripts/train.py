@@ -55,8 +55,8 @@ def state_summary(engine):
             if torch.is_tensor(v):
                 kinds.setdefault(k, sorted({*kinds.get(k, []), str(v.dtype).replace("torch.", "")}))
     steps = sorted({int(st["step"]) for st in opt.state.values() if "step" in st})
-    entries = sorted([int(st["state1"].numel()), str(st["state1"].dtype).replace("torch.", "")]
-                     for st in opt.state.values() if "state1" in st)
+    entries = sorted([int(st[key].numel()), str(st[key].dtype).replace("torch.", "")]
+                     for st in opt.state.values() for key in ("state1", "state1_fp32") if key in st)
     return type(opt).__name__, kinds, steps, entries
 
 
