@@ -15,6 +15,11 @@ per-parameter overhead rather than arithmetic decides. A copy of N fp32 values (
 value) gives the bandwidth a memory-bound step could reach, and each ds_q8 kernel row is reported
 as a fraction of it.
 
+A partition table prices the segment machinery that ZeRO partitions take: the same N elements
+stepped as one tensor, as a flat partition of ``--segments`` parameters (one kernel call over
+their pieces), and as that partition cut mid-block at both ends by partition edges (the two shared
+blocks take the batched reference path and an all-reduce, here within a one-rank group).
+
 On CPU a third table separates arithmetic from memory traffic: each of a few implementations steps
 two small parameters whose data stays in cache, on one thread, and the difference of the two times
 gives its cost per parameter without the per-call overhead. Scaled to N parameters over the run's
@@ -36,6 +41,7 @@ import torch
 import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
+from ds_q8.optim.layout import Comm, Segment, StateLayout, shared_blocks
 
 BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
 LR, WD = 1e-3, 1e-2
@@ -174,6 +180,76 @@ def measure(rows: List[dict], reps: int, device: str, inner: int = 1) -> None:
         row["time"] = statistics.median(row_times)
 
 
+class _OneRank(Comm):
+    """The all-reduce of a group of one rank: nothing to combine."""
+
+    def all_reduce_max(self, t):
+        pass
+
+    def all_reduce_sum(self, t):
+        pass
+
+
+def segment_sizes(n: int, count: int, multiple: int = 64, seed: int = 0) -> List[int]:
+    """``count`` parameter sizes between 0.2x and 1.8x the mean, multiples of ``multiple`` (as a
+    transformer's are) but not of the block size, summing to ``n``."""
+    g = torch.Generator().manual_seed(seed)
+    weights = 0.2 + 1.6 * torch.rand(count, generator=g, dtype=torch.float64)
+    sizes = [max(multiple, int(w) // multiple * multiple) for w in (weights / weights.sum() * n).tolist()]
+    sizes[-1] += n - sum(sizes)
+    return sizes
+
+
+def partition_rows(n: int, count: int, device: str) -> List[dict]:
+    """AdamW8bitBlock over n elements: one tensor, a flat partition of ``count`` parameters, the
+    same partition cut mid-block at both ends, and one whose parameters start at odd offsets."""
+    bs = F.DEFAULT_BLOCK_SIZE
+    rows = []
+    # every row steps the same parameter, gradient and code memory (each has its own block maxima):
+    # where the pages of a 2^25-element buffer land moves a step by several percent, more than what
+    # is measured here
+    shared = _params(n, device, 0)[0]
+    codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
+
+    def param():
+        p = torch.nn.Parameter(shared.data)
+        p.grad = shared.grad
+        return p
+
+    def on_shared_codes(opt, p):
+        opt.step()  # creates the state; then its codes move to the shared buffers
+        for i, c in enumerate(codes, start=1):
+            c.copy_(opt.state[p][f"state{i}"].view(-1))
+            opt.state[p][f"state{i}"] = c.view(opt.state[p][f"state{i}"].shape)
+        return opt.step
+
+    def flat_opt(cut: bool, sizes: List[int]):
+        p = param()
+        opt = ds_q8.AdamW8bitBlock([p], lr=LR, weight_decay=WD, min_8bit_size=0)
+        segments, start = [], 0
+        for i, size in enumerate(sizes):
+            head = bs // 2 if cut and i == 0 else 0  # the parameter began on the previous rank
+            tail = bs // 2 if cut and i == count - 1 else 0  # and goes on on the next one
+            segments.append(Segment(start, size, i, head, head + size + tail, True, f"p{i}"))
+            start += size
+        slots = {b: j for j, b in enumerate(shared_blocks(segments, bs))}
+        opt.register_layout(p, StateLayout(p.shape, segments, bs, comm=_OneRank() if slots else None, slots=slots,
+                                           num_slots=len(slots), num_params=count))
+        return on_shared_codes(opt, p)
+
+    one = param()
+    rows.append(dict(name="one tensor", bytes=BYTES_8BIT,
+                     step=on_shared_codes(ds_q8.AdamW8bitBlock([one], lr=LR, weight_decay=WD), one)))
+    sizes = segment_sizes(n, count)
+    rows.append(dict(name=f"flat partition of {count} parameters", bytes=BYTES_8BIT, step=flat_opt(False, sizes)))
+    rows.append(dict(name=f"flat partition of {count} parameters, cut at both ends", bytes=BYTES_8BIT,
+                     step=flat_opt(True, sizes)))
+    # parameters whose sizes are not multiples of 16: their pieces start off the 64-byte grid
+    rows.append(dict(name=f"flat partition of {count} parameters of odd sizes", bytes=BYTES_8BIT,
+                     step=flat_opt(False, segment_sizes(n, count, multiple=1))))
+    return rows
+
+
 # The rows whose arithmetic cost is worth knowing apart from memory traffic.
 IN_CACHE_ROWS = ("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", "torch AdamW fused", "DeepSpeedCPUAdam")
 
@@ -249,6 +325,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--in-cache", type=int, nargs=2, default=[1 << 14, 1 << 16], metavar=("SMALL", "LARGE"),
                     help="CPU only: cost per parameter with the data in cache, one thread, from the step times "
                          "at these two sizes (default 16384 65536; 0 0 skips it)")
+    ap.add_argument("--segments", type=int, default=150, metavar="COUNT",
+                    help="partition table: the N elements as a flat partition of COUNT parameters (default 150; "
+                         "0 skips it)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
@@ -260,6 +339,8 @@ def main(argv=None) -> dict:
     small, large = args.in_cache
     if (small, large) != (0, 0) and not 0 < small < large:
         ap.error(f"--in-cache needs two sizes with 0 < SMALL < LARGE (or 0 0 to skip), got {args.in_cache}")
+    if args.segments < 0 or args.segments > args.n:
+        ap.error(f"--segments must be in [0, --n], got {args.segments}")
     if args.device not in ("cpu", "cuda"):
         ap.error(f"--device must be cpu or cuda, got {args.device!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -292,6 +373,17 @@ def main(argv=None) -> dict:
         many_table = table(many, count * size, baseline)
         del many
         _release(args.device)
+    part_table = []
+    if args.segments:
+        parts = partition_rows(args.n, args.segments, args.device)
+        measure(parts, max(args.reps, 21), args.device)  # cheap rows, small differences: many repetitions
+        part_table = table(parts, args.n, "one tensor")
+        # each repetition steps every row once: the median of the per-repetition ratios cancels the
+        # machine's drift better than a ratio of medians
+        for row, r in zip(part_table, parts):
+            row["paired_ratio"] = statistics.median(t / b for t, b in zip(r["times"], parts[0]["times"]))
+        del parts
+        _release(args.device)
     quant = quantize_rows(args.n, args.device, not args.no_reference)
     measure(quant, args.reps, args.device)
     quant_table = table(quant, args.n, None)
@@ -321,9 +413,14 @@ def main(argv=None) -> dict:
                   f"{copy_gbps:.1f} GB/s")
     if many_table:
         print_table(f"the same step over {count} parameters of {size} elements each", many_table, baseline)
+    if part_table:
+        print_table(f"ZeRO partition layouts: AdamW8bitBlock over the same {args.n} elements", part_table, "one tensor")
+        for r in part_table[1:]:
+            print(f"segment overhead, {r['name']}: {100 * (r['paired_ratio'] - 1):+.1f}% of the one-tensor step "
+                  "(median of per-repetition ratios)")
     print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
     result = dict(config=config, step=step_table, in_cache=in_cache, copy=copy_table,
-                  many=dict(count=count, size=size, step=many_table), quantization=quant_table)
+                  many=dict(count=count, size=size, step=many_table), partition=part_table, quantization=quant_table)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -9,7 +9,10 @@ The prediction follows how ZeRO lays out what the optimizer sees:
     2 * world_size, of which each rank holds an equal share;
   * stage 3: each parameter is cut into world_size equal parts (rounded up); a rank
     concatenates its parts into sub-groups of about ``sub_group_size`` elements.
-Tensors below ``min_8bit_size`` elements keep fp32 state, as the optimizer does.
+Whatever a rank holds, ds_q8 keeps state per parameter slice: 8-bit codes plus one absmax per
+block of the *parameter* that the slice touches (a block cut by a partition edge is counted by
+each rank holding part of it), or fp32 for parameters below ``min_8bit_size`` elements, in 32-bit
+groups or marked 32-bit. Padding has no state.
 """
 from __future__ import annotations
 
@@ -71,23 +74,89 @@ def state_tensor_sizes(groups: Sequence[Sequence[int]], stage: int, world_size: 
     return out
 
 
+def rank_segments(sizes: Sequence[int], stage: int, world_size: int, rank: int) -> List[tuple]:
+    """``(param_index, param_start, numel)`` of every slice of a group's parameters that ``rank`` holds.
+
+    Stages 1 and 2 concatenate the group, pad it to a multiple of 2 * world_size and give each rank
+    an equal share; stage 3 gives each rank ``ceil(n / world_size)`` elements of every parameter.
+    """
+    _check_layout_args(stage, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size - 1}], got {rank!r}")
+    sizes = [int(n) for n in sizes]
+    if stage == 0:
+        return [(i, 0, n) for i, n in enumerate(sizes) if n > 0]
+    out = []
+    if stage in (1, 2):
+        total = sum(sizes)
+        padded = math.ceil(total / (2 * world_size)) * 2 * world_size
+        lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
+        offset = 0
+        for i, n in enumerate(sizes):
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                out.append((i, a - offset, b - a))
+            offset += n
+        return out
+    for i, n in enumerate(sizes):
+        part = math.ceil(n / world_size)
+        held = max(0, min(part, n - rank * part))
+        if held:
+            out.append((i, rank * part, held))
+    return out
+
+
+def segment_state_bytes(param_numel: int, param_start: int, numel: int, num_states: int, eight_bit: bool,
+                        block_size) -> int:
+    """Bytes of the state of ``numel`` elements of one parameter starting at ``param_start``: 8-bit
+    codes plus one fp32 absmax per block they touch (a block cut by a partition edge counts on every
+    rank that holds part of it), or fp32 values."""
+    if numel <= 0:
+        return 0
+    if not eight_bit:
+        return num_states * 4 * numel
+    bs = max(1, param_numel) if block_size is None else block_size
+    blocks = (param_start + numel - 1) // bs - param_start // bs + 1
+    return num_states * (numel + 4 * blocks)
+
+
+def _check_layout_args(stage, world_size) -> None:
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+
+
 def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size: int, optimizer: str = "Adam8bitBlock",
                          bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096,
-                         group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000) -> int:
-    """Predicted optimizer-state bytes on one rank.
+                         group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000,
+                         rank: int = None, param_bits: Sequence[Sequence[int]] = None) -> int:
+    """Predicted optimizer-state bytes on one rank (``rank``; None: the rank that holds the most).
 
-    ``group_bits`` overrides ``bits`` per group (e.g. 32 for an embeddings group).
+    Each parameter keeps 8-bit state when its group's bits are 8, its full size reaches
+    ``min_8bit_size`` and ``param_bits`` (per group, per parameter: 8 or 32, e.g. 32 for a
+    StableEmbedding) does not say 32, whatever partition holds it. ``group_bits`` overrides
+    ``bits`` per group. ``sub_group_size`` (stage 3) does not change the bytes: sub-groups end at
+    parameter boundaries.
     """
     F.check_block_size(block_size)
+    _check_layout_args(stage, world_size)
     k = _num_states(optimizer)
-    per_group = state_tensor_sizes(groups, stage, world_size, sub_group_size)
-    total = 0
-    for gi, sizes in enumerate(per_group):
-        b = group_bits[gi] if group_bits is not None else bits
-        if b not in (8, 32):
-            raise ValueError(f"bits must be 8 or 32, got {b!r}")
-        total += sum(tensor_state_bytes(n, k, b, block_size, min_8bit_size) for n in sizes)
-    return total
+    ranks = range(world_size) if rank is None else [rank]
+    best = 0
+    for r in ranks:
+        total = 0
+        for gi, sizes in enumerate(groups):
+            b = group_bits[gi] if group_bits is not None else bits
+            if b not in (8, 32):
+                raise ValueError(f"bits must be 8 or 32, got {b!r}")
+            for i, start, numel in rank_segments(sizes, stage, world_size, r):
+                n = int(sizes[i])
+                pb = param_bits[gi][i] if param_bits is not None else 8
+                eight = b == 8 and pb == 8 and n >= min_8bit_size
+                total += segment_state_bytes(n, start, numel, k, eight, block_size)
+        best = max(best, total)
+    return best
 
 
 def _base_optimizer(obj):
