@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 

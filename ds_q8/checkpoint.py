@@ -3,6 +3,7 @@
   python -m ds_q8.checkpoint to-universal CKPT/global_step100 CKPT/global_step100_universal
       A DeepSpeed universal checkpoint: resume at any world size with
       "checkpoint": {"load_universal": true} and engine.load_checkpoint(CKPT, tag="global_step100_universal").
+      The 8-bit state moves code for code (each parameter's codes and block maxima are kept whole).
   python -m ds_q8.checkpoint to-fp32 CKPT/global_step100 OUT
       The same ZeRO checkpoint with 8-bit state dequantized to fp32 exp_avg/exp_avg_sq (what
       DeepSpeed's own ds_to_universal reads); loadable again at the same world size.

@@ -1,7 +1,8 @@
-"""Parameter groups that keep their 8/32-bit choice when ZeRO flattens parameters.
+"""Parameter groups for ds_q8 optimizers: weight decay where it belongs, 32-bit state for embeddings.
 
-ZeRO concatenates each group's parameters into one flat tensor, so a mark on a single parameter
-(``ds_q8_optim_bits``) is lost; a setting on the group is not.
+The 8/32-bit choice is made per original parameter, under ZeRO too (each partition's layout knows
+which parameter slices it holds), so a ``ds_q8_optim_bits = 32`` mark on one parameter is kept;
+the groups make the choice visible in the config and in checkpoints.
 """
 from __future__ import annotations
 

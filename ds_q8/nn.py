@@ -12,8 +12,8 @@ class StableEmbedding(nn.Embedding):
     """Drop-in for ``nn.Embedding``: Xavier-uniform init, LayerNorm on the output, 32-bit state.
 
     Its weight and LayerNorm parameters carry ``ds_q8_optim_bits = 32`` so ds_q8 optimizers keep
-    fp32 state for them. Under ZeRO, where parameters are flattened and that mark is lost, put
-    them in a group with ``optim_bits=32`` (``ds_q8.param_groups`` does this).
+    fp32 state for them, at every ZeRO stage (``ds_q8.param_groups`` also puts them in a group
+    with ``optim_bits=32``).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx=None, max_norm=None,

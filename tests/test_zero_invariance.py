@@ -17,7 +17,6 @@ default, and the global norm's rounding depends on how ranks sum their partial n
   parameter; an unknown state name raises the same error on every rank.
 """
 import json
-import subprocess
 import sys
 from pathlib import Path
 

@@ -110,8 +110,7 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
         if not st or desc is None or "state1" not in st:
             continue
         g = group_of[pid]
-        layout = StateLayout(desc["shape"], StateLayout.segments_of(desc), desc["block_size"],
-                             slots={b: 0 for b in _cut_blocks(desc)}, num_slots=0)
+        layout = StateLayout.from_description(desc)
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit or seg.numel == 0:
                 continue
@@ -129,12 +128,6 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
                 entry.codes[i][seg.param_start:seg.param_end] = st[f"state{i + 1}"].reshape(-1)[c0:c0 + seg.numel]
                 entry.absmax[i][first:first + nb] = st[f"absmax{i + 1}"][a0:a0 + nb]
             entry.covered[seg.param_start:seg.param_end] = True
-
-
-def _cut_blocks(desc: dict):
-    from ..optim.layout import shared_blocks
-
-    return set(shared_blocks(StateLayout.segments_of(desc), desc["block_size"]))
 
 
 def to_fp32_checkpoint(input_folder: str, output_folder: str,
@@ -265,7 +258,7 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     folder = os.path.join(load_dir, str(tag))
     cache: dict = {}
     for tensor, layout in list(opt._layouts.items()):
-        if getattr(layout, "group", None) is None:
+        if layout.group is None:
             continue  # an ordinary parameter (ZeRO-0 has no universal checkpoints)
         eight = [seg for seg in layout.segments if seg.eight_bit and seg.numel]
         saved = _saved_codes(folder, [seg.name for seg in eight], layout.group, opt, cache)

@@ -176,8 +176,8 @@ def attach(wrapper) -> int:
     for part, part_slots in zip(parts, slots):
         comm = comms.setdefault(id(part.process_group), TorchDistComm(part.process_group))
         layout = StateLayout(part.tensor.shape, part.segments, part.group["block_size"], comm=comm,
-                             slots=part_slots, num_slots=len(part_slots), num_params=len(part.params))
-        layout.group = part.group
+                             slots=part_slots, num_slots=len(part_slots), num_params=len(part.params),
+                             group=part.group)
         base.register_layout(part.tensor, layout)
         held = {seg.param_index: si for si, seg in enumerate(layout.segments)}
         for idx, (p, shape) in enumerate(zip(part.params, part.shapes)):

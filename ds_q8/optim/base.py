@@ -21,7 +21,6 @@ A concrete optimizer supplies only
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List, Optional
 
 import torch
@@ -33,7 +32,7 @@ from .checks import (QUANTIZATIONS, beta_hyper, check_adam_group, check_betas, c
 from .layout import StateLayout
 from .state_io import STATE_DICT_MARKER, UNIVERSAL_STATE_NAMES, StateIO
 from . import stepping
-from .stepping import StepRunner, dequantize_piece, piece_chunks, segment_values, state_views
+from .stepping import StepRunner, segment_values, state_views
 
 #: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
 OPTIM_BITS_ATTR = "ds_q8_optim_bits"
@@ -183,8 +182,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
     def _state_group(self, p: torch.Tensor) -> dict:
         """The group of an optimized tensor, also when a wrapper (ZeRO-3) took it out of the groups."""
         layout = self._layouts.get(p)
-        group = getattr(layout, "group", None)
-        return group if group is not None else self._find_group(p)
+        return layout.group if layout is not None and layout.group is not None else self._find_group(p)
 
     def dequantized_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         """fp32 copies of ``p``'s state under torch's names (empty before the first step).
@@ -471,5 +469,4 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
 
 
 __all__ = ["Optimizer8bitBlock", "check_range", "get_map", "uses_8bit", "OPTIM_BITS_ATTR", "STATE_DICT_MARKER",
-           "UNIVERSAL_STATE_NAMES", "beta_hyper", "check_adam_group", "check_betas", "resolve_betas", "QUANTIZATIONS",
-           "dequantize_piece", "piece_chunks"]
+           "UNIVERSAL_STATE_NAMES", "beta_hyper", "check_adam_group", "check_betas", "resolve_betas", "QUANTIZATIONS"]

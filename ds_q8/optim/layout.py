@@ -109,7 +109,7 @@ class StateLayout:
 
     def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
                  comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
-                 num_slots: int = 0, num_params: Optional[int] = None):
+                 num_slots: int = 0, num_params: Optional[int] = None, group: Optional[dict] = None):
         self.shape = tuple(shape)
         self.numel = 1
         for d in self.shape:
@@ -118,6 +118,8 @@ class StateLayout:
         self.block_size = block_size
         self.comm = comm
         self.num_slots = int(num_slots)
+        #: the optimizer's parameter group, for a tensor that a wrapper takes out of the groups (ZeRO-3)
+        self.group = group
         #: how many parameters the tensor was built from (the same on every rank: per-parameter
         #: sums such as LAMB's norms are all-reduced as vectors of this length)
         self.num_params = int(num_params) if num_params is not None else 1 + max(
@@ -211,6 +213,13 @@ class StateLayout:
     @staticmethod
     def segments_of(desc: dict) -> List[Segment]:
         return [Segment(*s) for s in desc["segments"]]
+
+    @classmethod
+    def from_description(cls, desc: dict) -> "StateLayout":
+        """A saved layout, for reading a checkpoint offline (no ranks to agree with)."""
+        segments = cls.segments_of(desc)
+        cut = sorted(set(shared_blocks(segments, desc["block_size"])))
+        return cls(desc["shape"], segments, desc["block_size"], slots={b: i for i, b in enumerate(cut)})
 
     # ------------------------------------------------------------------ per segment
     def segment_blocks(self, si: int) -> Tuple[int, int, int]:

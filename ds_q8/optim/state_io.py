@@ -22,7 +22,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import functional as F
-from .layout import Segment, StateLayout
+from .layout import StateLayout
 from .stepping import state_views as _views
 
 # DeepSpeed's universal checkpoints know only Adam's two state names; any optimizer with at most
@@ -70,8 +70,7 @@ def fp32_values_from_saved(st: dict, desc: Optional[dict], signed, quantization:
                 values = s.detach().reshape(-1).to("cpu", torch.float32).clone()
             out.append(values)
             continue
-        layout = StateLayout(desc["shape"], StateLayout.segments_of(desc), desc["block_size"],
-                             slots=_all_slots(desc), num_slots=0)
+        layout = StateLayout.from_description(desc)
         codes = st[f"state{i}"].reshape(-1).cpu() if layout.has8 else None
         absmax = st[f"absmax{i}"].cpu() if layout.has8 else None
         f32 = st[f"state{i}_fp32"].reshape(-1).cpu() if layout.has32 else None
@@ -87,14 +86,6 @@ def fp32_values_from_saved(st: dict, desc: Optional[dict], signed, quantization:
             values[piece.start:piece.end] = f32[piece.codes_start:piece.codes_start + piece.numel]
         out.append(values)
     return out
-
-
-def _all_slots(desc: dict) -> Dict[tuple, int]:
-    """Slot numbers for every block a saved layout holds only part of (offline: no agreement needed)."""
-    from .layout import shared_blocks
-
-    blocks = shared_blocks(StateLayout.segments_of(desc), desc["block_size"])
-    return {b: i for i, b in enumerate(sorted(set(blocks)))}
 
 
 class StateIO:
@@ -477,4 +468,4 @@ def _numel(shape) -> int:
 
 
 __all__ = ["StateIO", "STATE_DICT_MARKER", "STATE_FORMAT", "UNIVERSAL_STATE_NAMES", "universal_names_for",
-           "fp32_values_from_saved", "Segment"]
+           "fp32_values_from_saved"]

@@ -59,13 +59,13 @@ class Bag(nn.Module):
         return loss
 
 
-def opt_params(opt_type: str, lr: float) -> dict:
+def opt_params(lr: float) -> dict:
     return {"lr": lr, "block_size": BLOCK, "min_8bit_size": MIN_8BIT}
 
 
 def config(job: dict) -> dict:
     c = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-         "optimizer": {"type": job["optimizer"], "params": opt_params(job["optimizer"], job.get("lr", 0.05))},
+         "optimizer": {"type": job["optimizer"], "params": opt_params(job.get("lr", 0.05))},
          "zero_optimization": {"stage": job["stage"]}}
     if job.get("bf16"):
         c["bf16"] = {"enabled": True}
@@ -73,10 +73,6 @@ def config(job: dict) -> dict:
         c["checkpoint"] = {"load_universal": True}
     c["zero_optimization"].update(job.get("zero", {}))
     return c
-
-
-def state_names(opt):
-    return list(opt.state_names)
 
 
 def collect_deepspeed(engine, opt):
@@ -90,7 +86,7 @@ def collect_deepspeed(engine, opt):
             state[name] = {k: v.clone() for k, v in opt.dequantized_state(p).items()}
         else:
             params[name] = safe_get_full_fp32_param(p).detach().clone()
-            state[name] = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in state_names(opt)}
+            state[name] = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in opt.state_names}
     return params, state
 
 
@@ -183,7 +179,7 @@ def run_plain(job, out_dir):
     torch.manual_seed(0)
     model = Bag()
     cls = ds_q8.OPTIMIZERS[job["optimizer"]]
-    opt = cls(model.parameters(), **opt_params(job["optimizer"], job.get("lr", 0.05)))
+    opt = cls(model.parameters(), **opt_params(job.get("lr", 0.05)))
     for step in range(job["steps"]):
         opt.zero_grad()
         model(torch.tensor([step])).backward()
