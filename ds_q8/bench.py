@@ -193,9 +193,12 @@ class _OneRank(Comm):
 def segment_sizes(n: int, count: int, multiple: int = 64, seed: int = 0) -> List[int]:
     """``count`` parameter sizes between 0.2x and 1.8x the mean, multiples of ``multiple`` (as a
     transformer's are) but not of the block size, summing to ``n``."""
+    if n < 2 * count * multiple:  # too few elements for such sizes: any positive sizes then
+        multiple = 1
     g = torch.Generator().manual_seed(seed)
     weights = 0.2 + 1.6 * torch.rand(count, generator=g, dtype=torch.float64)
-    sizes = [max(multiple, int(w) // multiple * multiple) for w in (weights / weights.sum() * n).tolist()]
+    units = n // multiple - count  # every size gets one multiple, the rest goes by weight
+    sizes = [(1 + int(u)) * multiple for u in (weights / weights.sum() * units).tolist()]
     sizes[-1] += n - sum(sizes)
     return sizes
 
@@ -239,7 +242,7 @@ def partition_rows(n: int, count: int, device: str) -> List[dict]:
 
     one = param()
     rows.append(dict(name="one tensor", bytes=BYTES_8BIT,
-                     step=on_shared_codes(ds_q8.AdamW8bitBlock([one], lr=LR, weight_decay=WD), one)))
+                     step=on_shared_codes(ds_q8.AdamW8bitBlock([one], lr=LR, weight_decay=WD, min_8bit_size=0), one)))
     sizes = segment_sizes(n, count)
     rows.append(dict(name=f"flat partition of {count} parameters", bytes=BYTES_8BIT, step=flat_opt(False, sizes)))
     rows.append(dict(name=f"flat partition of {count} parameters, cut at both ends", bytes=BYTES_8BIT,

@@ -31,6 +31,11 @@ def test_bench_small_run_writes_every_table(tmp_path, capsys):
         assert r["floor_ms"] == pytest.approx(r["ns_per_param"] * 1e-6 * 3000 / result["config"]["threads"])
         assert r["floor_ratio"] == pytest.approx(r["floor_ms"] / torch_ms)
     assert "compute floor, ms" in printed
+    # the partition table: the same elements as one tensor and as flat partitions of 150 parameters
+    assert [r["name"] for r in result["partition"]] == [
+        "one tensor", "flat partition of 150 parameters", "flat partition of 150 parameters, cut at both ends",
+        "flat partition of 150 parameters of odd sizes"]
+    assert all(r["paired_ratio"] > 0 for r in result["partition"]) and "segment overhead" in printed
 
 
 def test_bench_in_cache_restores_the_thread_count_and_can_be_skipped():
@@ -39,6 +44,10 @@ def test_bench_in_cache_restores_the_thread_count_and_can_be_skipped():
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
                          "--in-cache", "0", "0"])
     assert result["in_cache"] == [] and torch.get_num_threads() == threads
+    assert len(result["partition"]) == 4  # 2048 elements in 150 parameters: sizes of 13-14
+    result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
+                         "--in-cache", "0", "0", "--segments", "0"])
+    assert result["partition"] == []
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
                          "--in-cache", "1024", "2048"])
     assert len(result["in_cache"]) == 2 and torch.get_num_threads() == threads
@@ -60,6 +69,7 @@ def test_bench_no_reference_leaves_out_every_reference_row():
     (["--device", "tpu"], "--device must be cpu or cuda"),
     (["--in-cache", "4096", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
     (["--in-cache", "0", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
+    (["--n", "100", "--segments", "101"], "--segments must be in [0, --n]"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):

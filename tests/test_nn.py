@@ -40,7 +40,7 @@ def test_stable_embedding_keeps_32bit_state_and_trains():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     emb = model[0]
     for p in (emb.weight, emb.norm.weight, emb.norm.bias):
         assert opt.state[p]["state1_fp32"].dtype == torch.float32 and "state1" not in opt.state[p]
