@@ -190,7 +190,7 @@ def one_step(model, opt, seed):
     opt.zero_grad()
     loss.backward()
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
