@@ -40,6 +40,7 @@ def register_with_deepspeed() -> bool:
     from .integration import checkpoint_files, engine_checks, universal, zero_layout
 
     engine_checks.install()
+    engine_checks.install_master_weights()
     checkpoint_files.install()
     zero_layout.install()
     universal.install()

@@ -20,6 +20,10 @@ VARIANTS = {  # name -> (stage, extra config)
 }
 WARMUP = {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 2,
                                               "total_num_steps": STEPS, "warmup_type": "linear"}}
+# bf16 master weights and gradients: DeepSpeed hands the optimizer bf16 partitions
+BF16_MASTER = {"enabled": True, "bf16_master_weights_and_grads": True}
+BF16_MASTER_VARIANTS = {"s1_bf16m": (1, {}), "s2_bf16m": (2, {}), "s3_bf16m": (3, {}),
+                        "s2_bf16m_off": (2, {"zero": OFFLOAD}), "s3_bf16m_off": (3, {"zero": OFFLOAD})}
 # parameter sizes of tests/ds_scripts/train.py's TinyLM, in ds_q8.param_groups order
 ALL_PARAMS = [[2048, 4096, 128, 16384, 128, 128, 128, 8192, 64]]
 
@@ -36,6 +40,11 @@ def _jobs():
         {"name": "sched_s2", "steps": STEPS, "config": config(2, scheduler=WARMUP)},
         {"name": "groups_s2", "steps": STEPS, "param_groups": True, "config": config(2)},
         {"name": "groups_s3", "steps": STEPS, "param_groups": True, "config": config(3)},
+        *[{"name": f"q8_{name}", "steps": STEPS, "config": config(stage, bf16=BF16_MASTER, **extra)}
+          for name, (stage, extra) in BF16_MASTER_VARIANTS.items()],
+        {"name": "ref_s2_bf16m", "steps": STEPS,  # DeepSpeed's own bf16 master weights and bf16 Adam states
+         "config": config(2, "Adam", opt_params={"adam_w_mode": False},
+                          bf16=dict(BF16_MASTER, bf16_optimizer_states=True))},
         {"name": "bad_key", "steps": 1, "expect_error": True, "config": config(2, opt_params={"beta1": 0.9})},
         {"name": "bad_value", "steps": 1, "expect_error": True, "config": config(2, opt_params={"block_size": 1000})},
         {"name": "elastic", "steps": 1, "expect_error": True, "config": config(1, zero={"elastic_checkpoint": True})},
@@ -131,3 +140,15 @@ def test_elastic_checkpoint_refused(results):
 def test_nvme_optimizer_offload_refused(results):
     err = results["nvme"]["error"]
     assert "UnsupportedZeroConfig" in err and "nvme" in err
+
+
+@pytest.mark.parametrize("variant", list(BF16_MASTER_VARIANTS))
+def test_bf16_master_weights_step_8bit_state(results, variant):
+    """With bf16_master_weights_and_grads (and no bf16_optimizer_states, which DeepSpeed would otherwise
+    demand, nor DeepSpeedCPUAdam under offload) the optimizer steps bf16 partitions with 8-bit state."""
+    q8, ref = results[f"q8_{variant}"], results["ref_s2_bf16m"]
+    assert q8["stepped_dtypes"] == ["bfloat16"] and ref["stepped_dtypes"] == ["bfloat16"]
+    assert q8["state_dtypes"]["state1"] == ["uint8"] and q8["state_steps"] == [STEPS]
+    assert q8["losses"][-1] < 0.2 * q8["losses"][0]
+    for a, b in zip(q8["losses"], ref["losses"]):
+        assert abs(a - b) <= 0.03 * b, (q8["losses"], ref["losses"])

@@ -69,6 +69,8 @@ def config(job: dict) -> dict:
          "zero_optimization": {"stage": job["stage"]}}
     if job.get("bf16"):
         c["bf16"] = {"enabled": True}
+        if job.get("bf16_master"):
+            c["bf16"]["bf16_master_weights_and_grads"] = True
     if job.get("universal"):
         c["checkpoint"] = {"load_universal": True}
     c["zero_optimization"].update(job.get("zero", {}))

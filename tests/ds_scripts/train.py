@@ -57,7 +57,9 @@ def state_summary(engine):
     steps = sorted({int(st["step"]) for st in opt.state.values() if "step" in st})
     entries = sorted([int(st[key].numel()), str(st[key].dtype).replace("torch.", "")]
                      for st in opt.state.values() for key in ("state1", "state1_fp32") if key in st)
-    return type(opt).__name__, kinds, steps, entries
+    # the dtype of what the optimizer steps: fp32 master partitions, or bf16 ones with bf16 master weights
+    stepped = sorted({str(t.dtype).replace("torch.", "") for t in opt.state})
+    return type(opt).__name__, kinds, steps, entries, stepped
 
 
 def dump_state(engine, prefix, rank):
@@ -112,11 +114,11 @@ def run_job(job, rank, world):
         lrs.append(engine.get_lr()[0])
         if job.get("save") and job["save"][2] == step + 1:
             engine.save_checkpoint(job["save"][0], tag=job["save"][1])
-    name, kinds, steps, entries = state_summary(engine)
+    name, kinds, steps, entries, stepped = state_summary(engine)
     by_rank = [None] * world
     dist.all_gather_object(by_rank, measured_state_bytes(engine))
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
-               state_entries=entries)
+               state_entries=entries, stepped_dtypes=stepped)
     if hasattr(engine, "destroy"):
         engine.destroy()
     return rec
