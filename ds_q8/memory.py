@@ -198,6 +198,90 @@ def measured_state_bytes(obj) -> Dict[str, int]:
     return out
 
 
+# ---------------------------------------------------------------------------- model states
+#: The memory ladder: ways to keep a model's training state under ZeRO-2 with bf16 parameters.
+#: (optimizer, bytes per element of the master weights and of their gradients, of each Adam moment)
+LADDER = {
+    "a": ("DeepSpeed Adam, bf16 mixed precision (fp32 masters, fp32 moments)", "Adam", 4, 4),
+    "b": ("DeepSpeed Adam, bf16 masters and bf16 moments", "Adam", 2, 2),
+    "c": ("ds_q8 Adam8bitBlock, fp32 masters", "Adam8bitBlock", 4, None),
+    "d": ("ds_q8 Adam8bitBlock, bf16 masters, stochastic rounding", "Adam8bitBlock", 2, None),
+}
+MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_states")
+
+
+def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size: int = F.DEFAULT_BLOCK_SIZE,
+                         min_8bit_size: int = 4096) -> Dict[str, int]:
+    """Bytes of a rung of :data:`LADDER` at ZeRO-2 on one rank, part by part.
+
+    * ``params``: the bf16 parameters the model computes with (2 bytes each);
+    * ``grads``: ZeRO-2's bf16 gradient partition (2 bytes each);
+    * ``masters``: the optimizer's copy of the parameters, one flat partition per group padded to an
+      even length (DeepSpeed's alignment at one rank);
+    * ``master_grads``: the gradient partition handed to the optimizer, in the masters' dtype: it lives
+      during the step, one group at a time, all of it when one group holds most parameters;
+    * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state.
+    """
+    if rung not in LADDER:
+        raise ValueError(f"rung must be one of {sorted(LADDER)}, got {rung!r}")
+    _, optimizer, master, moment = LADDER[rung]
+    sizes = [sum(int(n) for n in g) for g in groups]
+    padded = sum(math.ceil(n / 2) * 2 for n in sizes)
+    total = sum(sizes)
+    states = (2 * moment * padded if moment is not None else
+              estimate_state_bytes(groups, 2, 1, optimizer, block_size=block_size, min_8bit_size=min_8bit_size))
+    return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master * padded,
+                optimizer_states=states)
+
+
+def measure_model_states(engine, run_step) -> Dict[str, int]:
+    """Bytes of a live ZeRO-2 engine's model states, part by part (see :func:`predict_model_states`).
+
+    ``run_step()`` must run one training step (forward, backward, ``engine.step()``): the gradients
+    live from the backward pass to the optimizer's step, so that step is watched for them.
+    """
+    wrapper = engine.optimizer
+    base = _base_optimizer(engine)
+    seen = {"master_grads": 0, "grads": 0}
+    base_step, wrapper_step = base.step, wrapper.step
+
+    def watched_base(*args, **kwargs):  # the optimizer's step: the gradient in the masters' dtype
+        seen["master_grads"] = max(seen["master_grads"], sum(
+            p.grad.numel() * p.grad.element_size() for g in base.param_groups for p in g["params"]
+            if p.grad is not None))
+        return base_step(*args, **kwargs)
+
+    def watched_wrapper(*args, **kwargs):  # ZeRO's step, entered with the reduced gradient partition
+        lp = getattr(wrapper, "grads_in_partition", None)  # one buffer (contiguous_gradients) ...
+        held = [lp] if lp is not None else [t for ts in (getattr(wrapper, "averaged_gradients", None) or {}).values()
+                                            if ts is not None for t in ts if torch.is_tensor(t)]  # ... or one per param
+        seen["grads"] = max(seen["grads"], sum(t.numel() * t.element_size() for t in held))
+        return wrapper_step(*args, **kwargs)
+
+    base.step, wrapper.step = watched_base, watched_wrapper
+    try:
+        run_step()
+    finally:
+        del base.step, wrapper.step  # back to the classes' methods
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    params = sum(nbytes(p) for p in engine.module.parameters())
+    masters = sum(nbytes(t) for t in getattr(wrapper, "single_partition_of_fp32_groups", []))
+    states = sum(nbytes(v) for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step")
+    return dict(params=params, grads=seen["grads"], masters=masters, master_grads=seen["master_grads"],
+                optimizer_states=states)
+
+
+def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096) -> List[dict]:
+    """Every rung's predicted bytes, in total and per parameter."""
+    n = sum(sum(g) for g in groups)
+    rows = []
+    for rung, (label, optimizer, _, _) in LADDER.items():
+        parts = predict_model_states(groups, rung, block_size, min_8bit_size)
+        total = sum(parts.values())
+        rows.append(dict(rung=rung, label=label, optimizer=optimizer, bytes=total, per_param=total / n, **parts))
+    return rows
+
+
 def gpt2_param_groups(n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024) -> List[List[int]]:
     """Parameter sizes of a GPT-2 as two groups: [embeddings], [everything else]."""
     d = n_embd
@@ -251,6 +335,10 @@ def main(argv=None) -> int:
     ap.add_argument("--min-8bit-size", type=int, default=4096)
     ap.add_argument("--embeddings-32bit", action="store_true",
                     help="keep the embedding group in 32-bit (as ds_q8.param_groups does)")
+    ap.add_argument("--ladder", action="store_true",
+                    help="instead: model-state bytes at ZeRO-2, one rank, for (a) DeepSpeed fp32 Adam with bf16 "
+                         "mixed precision, (b) DeepSpeed bf16 masters and states, (c) ds_q8 8-bit with fp32 "
+                         "masters, (d) ds_q8 8-bit with bf16 masters")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.params is not None:
@@ -260,6 +348,20 @@ def main(argv=None) -> int:
     else:
         groups = gpt2_param_groups(*GPT2_SIZES[args.model])
         label = f"{args.model} ({sum(map(sum, groups)):,} parameters)"
+    if args.ladder:
+        try:
+            F.check_block_size(args.block_size)
+        except ValueError as e:
+            ap.error(str(e))
+        rows = ladder_table(groups, args.block_size, args.min_8bit_size)
+        print(f"model states at ZeRO-2 on one rank, {label}, bf16 parameters, block_size={args.block_size}")
+        print(f"{'':4} {'B/param':>8} {'total':>10}  what")
+        for r in rows:
+            print(f"({r['rung']}) {r['per_param']:>8.3f} {_fmt(r['bytes']):>10}  {r['label']}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"model": label, "ladder": rows}, f, indent=1)
+        return 0
     try:
         rows = report(groups, args.stage, args.world_size, args.optimizer, args.block_size,
                       args.min_8bit_size, args.embeddings_32bit)

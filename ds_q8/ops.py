@@ -108,14 +108,15 @@ def fused_step(optimizer, p, grad, codes, absmax, group, hyper) -> bool:
     ``codes``/``absmax`` are its state's codes and block maxima, one per state; its first element
     starts a block.
     """
-    return not fused_step_many(optimizer, [(p, grad, tuple(codes), tuple(absmax))], group, hyper)
+    return not fused_step_many(optimizer, [(p, grad, tuple(codes), tuple(absmax), None)], group, hyper)
 
 
 def fused_step_many(optimizer, items, group, hyper) -> list:
     """The 8-bit step of many tensors that share ``group`` and ``hyper``, in one kernel call.
 
-    ``items`` are ``(param, grad, codes, absmax)``: a tensor or a piece of one (a view) whose first
-    element starts a block, its gradient, and its states' codes and block maxima. They are batched
+    ``items`` are ``(param, grad, codes, absmax, rounding)``: a tensor or a piece of one (a view) whose
+    first element starts a block, its gradient, its states' codes and block maxima, and None or
+    ``(key, index of its first element in its parameter)`` for stochastic rounding. They are batched
     by device and dtypes; each batch is one call (on CPU one parallel loop over all its blocks).
     Returns the items it did not step, which the caller steps with the reference.
     """
@@ -153,14 +154,24 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
         # the kernel writes each param's memory in place, as p.data would
         params = [it[0] for it in batch]
         grads = [g if g.is_contiguous() else g.contiguous() for g in (it[1] for it in batch)]
+        keys, index = _rounding_lists(batch, 4)
         _call(module, "step_many", params[0], rule, params, grads, [it[2] for it in batch], [it[3] for it in batch],
-              maps[0], maps[1], group["block_size"], dict(hyper))
+              maps[0], maps[1], group["block_size"], dict(hyper), keys, index)
     return rest
+
+
+def _rounding_lists(items, at: int):
+    """The kernels' sr_keys and sr_index lists for a batch: empty when no item asks for stochastic
+    rounding (an item that does not, in a batch that does, is a float32 tensor: unaffected)."""
+    if all(it[at] is None for it in items):
+        return [], []
+    return ([it[at][0] if it[at] is not None else 0 for it in items],
+            [it[at][1] if it[at] is not None else 0 for it in items])
 
 
 def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
     """The same fused step for CPU tensors whose state is float32 (``optim_bits=32`` or below
-    ``min_8bit_size``): ``items`` are ``(param, grad, states)``, batched like :func:`fused_step_many`.
+    ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`.
     Returns the items it did not step."""
     rule = getattr(optimizer, "update_rule", "")
     if not rule or not kernels_enabled():
@@ -171,7 +182,7 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
     batches: Dict[tuple, tuple] = {}
     rest = []
     for item in items:
-        p, grad, states = item
+        p, grad, states, _ = item
         pd, gd = p.dtype, grad.dtype
         if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
                 or not p.is_contiguous() or not all(s.is_contiguous() for s in states)):
@@ -179,13 +190,15 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
             continue
         batch = batches.get((pd, gd))
         if batch is None:
-            batch = batches[(pd, gd)] = ([], [], [])
+            batch = batches[(pd, gd)] = ([], [], [], [])
         batch[0].append(p)
         batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
         batch[2].append(states)
+        batch[3].append(item)
     isa = cpu_isa(module) if batches else None
-    for params, grads, states in batches.values():
-        module.step_fp32_many(isa, rule, params, grads, states, dict(hyper))
+    for params, grads, states, batch_items in batches.values():
+        keys, index = _rounding_lists(batch_items, 3)
+        module.step_fp32_many(isa, rule, params, grads, states, dict(hyper), keys, index)
     return rest
 
 

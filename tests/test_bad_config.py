@@ -39,6 +39,10 @@ INVALID = {
                           (INF, "trust_coefficient must be in (0.0, inf)")],
     "dampening": [(-0.1, "dampening must be in [0.0, 1.0]"), (2.0, "dampening must be in [0.0, 1.0]")],
     "nesterov": [(1, "nesterov must be True or False")],
+    "stochastic_rounding": [("yes", "stochastic_rounding must be true, false or null"),
+                            (1, "stochastic_rounding must be true, false or null")],
+    "sr_seed": [(-1, "sr_seed must be an integer in [0, 4294967295]"), (2 ** 32, "sr_seed must be an integer"),
+                (1.0, "sr_seed must be an integer"), (True, "sr_seed must be an integer")],
 }
 CASES = [(name, field, value, text) for name, cls in sorted(ds_q8.OPTIMIZERS.items())
          for field in constructor_keys(cls) for value, text in INVALID.get(field, [])]

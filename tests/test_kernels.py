@@ -353,7 +353,7 @@ def test_step_rejects_missing_hyperparameter(cpu_op):
     lookup = cpu_op.build_lookup(code)
     with pytest.raises(ValueError, match="needs hyperparameter 'lr'"):
         cpu_op.step("scalar", "momentum", p, g, [torch.zeros(64, dtype=torch.uint8)], [torch.zeros(1)], [code],
-                    [lookup], 64, {"momentum": 0.9})
+                    [lookup], 64, {"momentum": 0.9}, [], [])
 
 
 # ---------------------------------------------------------------------------- dispatch and fallback

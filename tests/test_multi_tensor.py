@@ -148,7 +148,7 @@ def test_step_many_checks_everything_before_writing(cpu_op, bad):
     codes_before = [[s.clone() for s in st] for st in states]
     with pytest.raises(ValueError):
         cpu_op.step_many(cpu_op.supported_isas()[0], "adamw", params, grads, states, absmax, code, lookups, 128,
-                         hyper)
+                         hyper, [], [])
     for p, b in zip(params, before):
         assert torch.equal(p, b)
     for st, sb in zip(states, codes_before):
@@ -162,7 +162,7 @@ def test_step_many_missing_hyperparameter_writes_nothing(cpu_op):
     del hyper["eps"]
     before = [p.clone() for p in params]
     with pytest.raises(ValueError, match="needs hyperparameter 'eps'"):
-        cpu_op.step_many("scalar", "adamw", params, grads, states, absmax, code, lookups, 128, hyper)
+        cpu_op.step_many("scalar", "adamw", params, grads, states, absmax, code, lookups, 128, hyper, [], [])
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
@@ -172,9 +172,9 @@ def test_step_many_equals_one_call_per_tensor(cpu_op):
     singles = [p.clone() for p in params], [[s.clone() for s in st] for st in states], \
         [[a.clone() for a in am] for am in absmax]
     isa = cpu_op.supported_isas()[0]
-    cpu_op.step_many(isa, "adamw", params, grads, states, absmax, code, lookups, 128, hyper)
+    cpu_op.step_many(isa, "adamw", params, grads, states, absmax, code, lookups, 128, hyper, [], [])
     for p, g, st, am in zip(singles[0], grads, singles[1], singles[2]):
-        cpu_op.step(isa, "adamw", p, g, st, am, code, lookups, 128, hyper)
+        cpu_op.step(isa, "adamw", p, g, st, am, code, lookups, 128, hyper, [], [])
     for i in range(5):
         assert torch.equal(params[i], singles[0][i])
         for k in range(2):
@@ -233,8 +233,8 @@ def test_state_count_must_match_the_rule(cpu_op):
     hyper = dict(beta1=0.9, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.001, eps=1e-8, weight_decay=0.0,
                  decay_factor=1.0, step_size=1e-3, bias_correction2_sqrt=0.03)
     with pytest.raises(ValueError, match="different number of states"):
-        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64)]], hyper)
+        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64)]], hyper, [], [])
     before = p.clone()
     with pytest.raises(ValueError, match="float32 state must have"):
-        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64), torch.zeros(63)]], hyper)
+        cpu_op.step_fp32_many("scalar", "adamw", [p], [g], [[torch.zeros(64), torch.zeros(63)]], hyper, [], [])
     assert torch.equal(p, before)

@@ -85,21 +85,33 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
 
 
 class ParamCodes:
-    """One parameter's 8-bit state assembled from the segments of every rank."""
+    """One parameter's state assembled from the segments of every rank: 8-bit codes and block maxima,
+    or fp32 values (kept here too: DeepSpeed's loader casts optimizer state to the master weights'
+    dtype, which would round fp32 state to bf16 under bf16 master weights)."""
 
-    def __init__(self, name: str, numel: int, block_size, quantization: str, k: int, num_blocks: int):
+    def __init__(self, name: str, numel: int, block_size, quantization: str, k: int, num_blocks: int,
+                 eight_bit: bool = True):
         self.name, self.numel, self.block_size, self.quantization = name, numel, block_size, quantization
-        self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
-        self.absmax = [torch.zeros(num_blocks, dtype=torch.float32) for _ in range(k)]
+        self.eight_bit = eight_bit
+        if eight_bit:
+            self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
+            self.absmax = [torch.zeros(num_blocks, dtype=torch.float32) for _ in range(k)]
+        else:
+            self.values = [torch.zeros(numel, dtype=torch.float32) for _ in range(k)]
         self.covered = torch.zeros(numel, dtype=torch.bool)
 
     def payload(self, state_names) -> dict:
-        return {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
-                "state_names": list(state_names), "codes": self.codes, "absmax": self.absmax}
+        out = {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
+               "state_names": list(state_names), "eight_bit": self.eight_bit}
+        if self.eight_bit:
+            out.update(codes=self.codes, absmax=self.absmax)
+        else:
+            out.update(values=self.values)
+        return out
 
 
 def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> None:
-    """Add one rank's 8-bit segments (from its saved layouts) to ``into``, keyed by parameter name."""
+    """Add one rank's segments (from its saved layouts) to ``into``, keyed by parameter name."""
     marker = _marker(inner, path)
     if marker.get("format") != STATE_FORMAT:
         return  # written before parameter-aligned blocks: only the fp32 route exists
@@ -112,7 +124,7 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
         g = group_of[pid]
         layout = StateLayout.from_description(desc)
         for si, seg in enumerate(layout.segments):
-            if not seg.eight_bit or seg.numel == 0:
+            if seg.numel == 0:
                 continue
             if not seg.name:
                 raise ValueError(f"{path}: a parameter slice has no name; the universal route needs DeepSpeed's "
@@ -122,11 +134,17 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
             if entry is None:
                 total_blocks = (seg.param_numel + bs - 1) // bs
                 entry = into[seg.name] = ParamCodes(seg.name, seg.param_numel, g["block_size"], g["quantization"],
-                                                    k, total_blocks)
-            c0, a0 = layout.segment_codes[si], layout.segment_absmax[si]
-            for i in range(k):
-                entry.codes[i][seg.param_start:seg.param_end] = st[f"state{i + 1}"].reshape(-1)[c0:c0 + seg.numel]
-                entry.absmax[i][first:first + nb] = st[f"absmax{i + 1}"][a0:a0 + nb]
+                                                    k, total_blocks, seg.eight_bit)
+            c0 = layout.segment_codes[si]
+            if seg.eight_bit:
+                a0 = layout.segment_absmax[si]
+                for i in range(k):
+                    entry.codes[i][seg.param_start:seg.param_end] = st[f"state{i + 1}"].reshape(-1)[c0:c0 + seg.numel]
+                    entry.absmax[i][first:first + nb] = st[f"absmax{i + 1}"][a0:a0 + nb]
+            else:
+                for i in range(k):
+                    entry.values[i][seg.param_start:seg.param_end] = (
+                        st[f"state{i + 1}_fp32"].reshape(-1)[c0:c0 + seg.numel])
             entry.covered[seg.param_start:seg.param_end] = True
 
 
@@ -225,19 +243,21 @@ def _wrapped_ds_q8_optimizer(engine):
     return None
 
 
-def _saved_codes(folder: str, names, group: dict, opt, cache: dict) -> Optional[List[dict]]:
-    """The saved whole-parameter codes for ``names``, or None when any is missing or incompatible."""
+def _saved_state(folder: str, segments, group: dict, opt, cache: dict) -> Optional[List[dict]]:
+    """The saved whole-parameter state of each segment's parameter, or None when any is missing or does
+    not fit (8-bit where it now keeps fp32 or the other way round, another block size or map)."""
     out = []
-    for name in names:
-        if name is None:
+    for seg in segments:
+        if seg.name is None:
             return None
-        if name not in cache:
-            path = _codes_file(folder, name)
-            cache[name] = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
-        saved = cache[name]
-        if (saved is None or saved["block_size"] != group["block_size"]
-                or saved["quantization"] != group["quantization"]
-                or list(saved["state_names"]) != list(opt.state_names)):
+        if seg.name not in cache:
+            path = _codes_file(folder, seg.name)
+            cache[seg.name] = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
+        saved = cache[seg.name]
+        if (saved is None or bool(saved.get("eight_bit", True)) != seg.eight_bit
+                or list(saved["state_names"]) != list(opt.state_names)
+                or (seg.eight_bit and (saved["block_size"] != group["block_size"]
+                                       or saved["quantization"] != group["quantization"]))):
             return None
         out.append(saved)
     return out
@@ -260,15 +280,15 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     for tensor, layout in list(opt._layouts.items()):
         if layout.group is None:
             continue  # an ordinary parameter (ZeRO-0 has no universal checkpoints)
-        eight = [seg for seg in layout.segments if seg.eight_bit and seg.numel]
-        saved = _saved_codes(folder, [seg.name for seg in eight], layout.group, opt, cache)
+        held = [seg for seg in layout.segments if seg.numel]
+        saved = _saved_state(folder, held, layout.group, opt, cache)
         ok = torch.tensor([1.0 if saved is not None else 0.0])
         if layout.sharded:  # all ranks take the same route for a tensor whose blocks they share
             ok.neg_()
             layout.comm.all_reduce_max(ok)
             ok.neg_()
         if float(ok) == 1.0:
-            opt.restore_codes(tensor, dict(zip([seg.name for seg in eight], saved)))
+            opt.restore_codes(tensor, dict(zip([seg.name for seg in held], saved)))
         elif layout.sharded:
             opt.adopt_tensor_collectively(tensor)
         else:

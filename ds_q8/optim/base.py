@@ -31,7 +31,7 @@ from .checks import (QUANTIZATIONS, beta_hyper, check_adam_group, check_betas, c
                      resolve_betas)
 from .layout import StateLayout
 from .state_io import STATE_DICT_MARKER, UNIVERSAL_STATE_NAMES, StateIO
-from . import stepping
+from . import rounding, stepping
 from .stepping import StepRunner, segment_values, state_views
 
 #: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
@@ -77,7 +77,8 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         return super().__new__(cls)
 
     def __init__(self, params, defaults: dict, nonfinite: str = "skip"):
-        common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic")
+        common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
+                      stochastic_rounding=None, sr_seed=0)
         common.update(defaults)
         self.nonfinite = NF.check_mode(nonfinite)
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
@@ -148,9 +149,26 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                     "partitions. DeepSpeed's ZeRO stages 1-3 and bf16 optimizer are known (import ds_q8 before "
                     "deepspeed.initialize); with another wrapper use an element-wise optimizer such as "
                     "AdamW8bitBlock or Lion8bitBlock.")
-            layout = StateLayout.for_parameter(p, self._uses_8bit(p, group), group["block_size"])
+            gi, pi, count = self._position(p, group)
+            layout = StateLayout.for_parameter(p, self._uses_8bit(p, group), group["block_size"], param_index=pi,
+                                               group_index=gi, num_params=count)
             self._layouts[p] = layout
         return layout
+
+    def _position(self, p: torch.Tensor, group: dict):
+        """(group index, position among the group's trainable parameters, their number) of ``p``:
+        the order DeepSpeed's ZeRO partitions keep, so that a parameter has one identity everywhere."""
+        gi = next((i for i, g in enumerate(self.param_groups) if g is group), 0)
+        trainable = [q for q in group["params"] if q.requires_grad]
+        pi = next((i for i, q in enumerate(trainable) if q is p), 0)
+        return gi, pi, max(1, len(trainable))
+
+    def _stochastic(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether ``p`` is written with stochastic rounding (on by default for 16-bit tensors)."""
+        if p.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        choice = group.get("stochastic_rounding")
+        return True if choice is None else bool(choice)
 
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
@@ -380,23 +398,35 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             h = hypers.get(hkey)
             if h is None:
                 h = hypers[hkey] = self._hyper(group, count)
-            if self.needs_norms:
-                runner.add(p, p.grad, state, layout, group, h, self._segment_hypers(p, p.grad, state, layout, group, h))
-            else:
-                runner.add(p, p.grad, state, layout, group, h)
+            sr = rounding.step_key(group.get("sr_seed", 0), count) if self._stochastic(group, p) else None
+            seg_hyper = self._segment_hypers(p, p.grad, state, layout, group, h) if self.needs_norms else None
+            runner.add(p, p.grad, state, layout, group, h, seg_hyper, sr)
         runner.run()
         return loss
 
-    def _reference_step_32bit(self, p, grad, states, h) -> None:
+    @staticmethod
+    def _write_param(dst: torch.Tensor, p32: torch.Tensor, sr, offset: int = 0) -> None:
+        """Write fp32 values into a parameter (or its chunk): rounded to nearest, or stochastically
+        with ``sr = (key, index of dst's first element in its parameter)``."""
+        if sr is None or dst.dtype == torch.float32:
+            dst.copy_(p32.view(dst.shape))
+            return
+        index = torch.arange(sr[1] + offset, sr[1] + offset + p32.numel(), device=p32.device)
+        dst.copy_(rounding.round_stochastic(p32.reshape(-1), dst.dtype, sr[0], index).view(dst.shape))
+
+    def _reference_step_32bit(self, p, grad, states, sr, h) -> None:
         if p.dtype == torch.float32:
             self._update_fp32(p.data, grad.to(torch.float32), list(states), h)
         else:
             p32 = p.data.to(torch.float32)
             self._update_fp32(p32, grad.to(torch.float32), list(states), h)
-            p.data.copy_(p32)
+            self._write_param(p.data, p32, sr)
 
-    def _reference_step_8bit(self, p, grad, codes, absmax, group, h) -> None:
-        """The specification of the 8-bit step, on a tensor (or piece) whose first element starts a block."""
+    def _reference_step_8bit(self, p, grad, codes, absmax, sr, group, h) -> None:
+        """The specification of the 8-bit step, on a tensor (or piece) whose first element starts a block.
+
+        ``sr`` is None (16-bit parameters rounded to nearest) or ``(key, index of p's first element in
+        its parameter)`` for stochastic rounding (``rounding.py``)."""
         bs = F.resolve_block_size(group["block_size"], p.numel())
         maps = self._maps(group, p.device)
         n = p.numel()
@@ -418,7 +448,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                 a[b0:b1] = new_absmax
                 c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs)
             if p.dtype != torch.float32:
-                pf[start:end].copy_(p32)
+                self._write_param(pf[start:end], p32, sr, start)
         if not in_place:
             p.data.copy_(pf.view(p.shape))
 

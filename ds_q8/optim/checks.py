@@ -46,6 +46,12 @@ def check_common_group(group: dict) -> None:
         raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
     if group["quantization"] not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {group['quantization']!r}")
+    if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
+        raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
+                         f"got {group['stochastic_rounding']!r}")
+    seed = group["sr_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")
 
 
 def resolve_betas(betas) -> tuple:

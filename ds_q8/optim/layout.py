@@ -109,7 +109,8 @@ class StateLayout:
 
     def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
                  comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
-                 num_slots: int = 0, num_params: Optional[int] = None, group: Optional[dict] = None):
+                 num_slots: int = 0, num_params: Optional[int] = None, group: Optional[dict] = None,
+                 group_index: int = 0):
         self.shape = tuple(shape)
         self.numel = 1
         for d in self.shape:
@@ -120,6 +121,9 @@ class StateLayout:
         self.num_slots = int(num_slots)
         #: the optimizer's parameter group, for a tensor that a wrapper takes out of the groups (ZeRO-3)
         self.group = group
+        #: that group's index; with each segment's ``param_index`` (its parameter's position among the
+        #: group's trainable parameters) it names the parameter in stochastic rounding's random bits
+        self.group_index = int(group_index)
         #: how many parameters the tensor was built from (the same on every rank: per-parameter
         #: sums such as LAMB's norms are all-reduced as vectors of this length)
         self.num_params = int(num_params) if num_params is not None else 1 + max(
@@ -185,11 +189,12 @@ class StateLayout:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_parameter(cls, p: torch.Tensor, eight_bit: bool, block_size: Optional[int],
-                      name: Optional[str] = None) -> "StateLayout":
+    def for_parameter(cls, p: torch.Tensor, eight_bit: bool, block_size: Optional[int], name: Optional[str] = None,
+                      param_index: int = 0, group_index: int = 0, num_params: Optional[int] = None) -> "StateLayout":
         """An ordinary parameter: one segment, the whole of it."""
         n = p.numel()
-        return cls(p.shape, [Segment(0, n, 0, 0, n, eight_bit, name)], block_size)
+        return cls(p.shape, [Segment(0, n, param_index, 0, n, eight_bit, name)], block_size,
+                   num_params=num_params, group_index=group_index)
 
     @property
     def sharded(self) -> bool:
@@ -269,10 +274,16 @@ class StateLayout:
         self._splits = (sizes,) + where
         return self._splits
 
+    def piece_param_start(self, piece: Piece) -> int:
+        """Index, in its original parameter, of a piece's first element."""
+        seg = self.segments[piece.segment]
+        return seg.param_start + piece.start - seg.start
+
     def shared_index(self, device, which: Optional[List[int]] = None):
         """Index tensors over the shared pieces (all, or those listed in ``which``): each element's
         position in the tensor and in the packed codes, each piece's absmax position, each element's
-        piece (owner), and each piece's slot. Made once per device for all pieces."""
+        piece (owner), each piece's slot, and each element's index in its original parameter.
+        Made once per device for all pieces."""
         key = ("_shared_index", str(device))
         if which is None and key in self.__dict__:
             return self.__dict__[key]
@@ -282,7 +293,9 @@ class StateLayout:
         absmax_at = torch.tensor([p.absmax_start for p in pieces], dtype=torch.long)
         owner = torch.repeat_interleave(torch.arange(len(pieces)), torch.tensor([p.numel for p in pieces]))
         slots = torch.tensor([p.slot for p in pieces], dtype=torch.long)
-        out = tuple(t.to(device) for t in (elem, code_at, absmax_at, owner, slots))
+        in_param = torch.cat([torch.arange(self.piece_param_start(p), self.piece_param_start(p) + p.numel)
+                              for p in pieces])
+        out = tuple(t.to(device) for t in (elem, code_at, absmax_at, owner, slots, in_param))
         if which is None:
             self.__dict__[key] = out
         return out

@@ -180,9 +180,9 @@ class StateIO:
     def restore_codes(self, p: torch.Tensor, saved: Dict[str, dict]) -> None:
         """Rebuild a tensor's state after a universal load, code for code.
 
-        ``saved`` maps parameter names to their whole 8-bit state (codes and block maxima per
-        state) as ``to-universal`` wrote it; every 8-bit segment takes its slice unchanged. fp32
-        segments take the fp32 values the loader wrote; ``step`` is the loader's.
+        ``saved`` maps parameter names to their whole state as ``to-universal`` wrote it (codes and
+        block maxima, or fp32 values, per state); every segment takes its slice unchanged. ``step``
+        is the loader's.
         """
         group = self._state_group(p)
         layout = self.layout_of(p, group)
@@ -193,14 +193,14 @@ class StateIO:
         step = st.get("step", 0)
         fresh["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
         if layout.has32:
-            names = self._fp32_names_in(st, self.state_names)
-            if names is None:
-                raise ValueError("the universal checkpoint loader wrote no fp32 state for this partition's "
-                                 "32-bit parameters")
             f32, _ = _views(fresh, k, codes=False)
-            for piece in layout.pieces32:
-                for f, n in zip(f32, names):
-                    f[piece.codes_start:piece.codes_start + piece.numel] = st[n].reshape(-1)[piece.start:piece.end]
+            for si, seg in enumerate(layout.segments):
+                if seg.eight_bit or seg.numel == 0:
+                    continue
+                values = saved[seg.name]["values"]
+                c0 = layout.segment_codes[si]
+                for i in range(k):
+                    f32[i][c0:c0 + seg.numel] = values[i][seg.param_start:seg.param_end].to(p.device)
         if layout.has8:
             codes, absmax = _views(fresh, k, codes=True)
             for si, seg in enumerate(layout.segments):

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import functional as F
+from . import rounding
 from .layout import StateLayout
 
 # Elements processed per chunk by the reference path: bounds its fp32 temporaries.
@@ -88,44 +89,57 @@ class StepRunner:
         return entry[2]
 
     def add(self, p: torch.Tensor, grad: torch.Tensor, state: dict, layout: StateLayout, group: dict, h,
-            seg_hyper: Optional[list] = None) -> None:
-        """Queue tensor ``p``'s step. ``seg_hyper`` gives each segment its own step scalars (LAMB, LARS)."""
+            seg_hyper: Optional[list] = None, sr_step: Optional[int] = None) -> None:
+        """Queue tensor ``p``'s step. ``seg_hyper`` gives each segment its own step scalars (LAMB, LARS);
+        ``sr_step`` (``rounding.step_key``) asks for stochastic rounding of the parameter writes.
+
+        Every item ends with its rounding: None, or (key, index of its first element in its parameter).
+        """
         k = self.k
         if seg_hyper is not None and len(layout.segments) == 1:
             h, seg_hyper = seg_hyper[0], None  # one parameter: one set of scalars
+        keys = None
+        if sr_step is not None:
+            keys = [rounding.sr_key(sr_step, layout.group_index, seg.param_index) for seg in layout.segments]
         if seg_hyper is None and layout.whole8:
             self._bucket(self.eight, group, h).append(
                 (p, grad, tuple(state[f"state{i}"] for i in range(1, k + 1)),
-                 tuple(state[f"absmax{i}"] for i in range(1, k + 1))))
+                 tuple(state[f"absmax{i}"] for i in range(1, k + 1)), keys and (keys[0], 0)))
         elif seg_hyper is None and layout.whole32:
-            self._bucket(self.fp32, group, h).append((p, grad, tuple(state[f"state{i}_fp32"] for i in range(1, k + 1))))
+            self._bucket(self.fp32, group, h).append(
+                (p, grad, tuple(state[f"state{i}_fp32"] for i in range(1, k + 1)), keys and (keys[0], 0)))
         else:
-            self._add_pieces(p, grad, state, layout, group, h, seg_hyper)
+            self._add_pieces(p, grad, state, layout, group, h, seg_hyper, keys)
         if layout.sharded:
             entry = self.shared.get(id(layout.comm))
             if entry is None:
                 entry = self.shared[id(layout.comm)] = (layout.comm, [])
-            entry[1].append((layout, group, p, grad, state, h, seg_hyper))
+            entry[1].append((layout, group, p, grad, state, h, seg_hyper, keys))
 
-    def _add_pieces(self, p, grad, state, layout, group, h, seg_hyper) -> None:
+    def _add_pieces(self, p, grad, state, layout, group, h, seg_hyper, keys) -> None:
         sizes, at8, at32, _ = layout.splits()
         pv = layout.param_views(p).split(sizes)
         gv = grad.view(-1).split(sizes)
+
+        def rounding_of(piece):
+            return None if keys is None else (keys[piece.segment], layout.piece_param_start(piece))
+
         if layout.has8:
             views = layout.cached_views(state, self.k)
-            if seg_hyper is None:
+            if seg_hyper is None and keys is None:
                 self._bucket(self.eight, group, h).extend(
-                    (pv[j], gv[j], cs, am) for j, (_, cs, am) in zip(at8, views))
+                    (pv[j], gv[j], cs, am, None) for j, (_, cs, am) in zip(at8, views))
             else:
                 for j, (piece, cs, am) in zip(at8, views):
-                    self._bucket(self.eight, group, seg_hyper[piece.segment]).append((pv[j], gv[j], cs, am))
+                    hp = h if seg_hyper is None else seg_hyper[piece.segment]
+                    self._bucket(self.eight, group, hp).append((pv[j], gv[j], cs, am, rounding_of(piece)))
         if layout.has32:
             f32, _ = state_views(state, self.k, codes=False)
             for j, piece in zip(at32, layout.pieces32):
                 hp = h if seg_hyper is None else seg_hyper[piece.segment]
                 n0 = piece.codes_start
                 self._bucket(self.fp32, group, hp).append(
-                    (pv[j], gv[j], tuple(f[n0:n0 + piece.numel] for f in f32)))
+                    (pv[j], gv[j], tuple(f[n0:n0 + piece.numel] for f in f32), rounding_of(piece)))
 
     # ------------------------------------------------------------------ running
     def run(self) -> None:
@@ -152,18 +166,18 @@ class StepRunner:
         k = self.k
         total = sum(layout.num_slots * k for layout, *_ in tensors)
         pending, base, device = [], 0, None
-        for layout, group, p, grad, state, h, seg_hyper in tensors:
+        for layout, group, p, grad, state, h, seg_hyper, keys in tensors:
             if layout.shared8:
                 device = p.device
                 if seg_hyper is None:
-                    pending.append(self._update_shared(layout, group, p, grad, state, h, None, base))
+                    pending.append(self._update_shared(layout, group, p, grad, state, h, None, base, keys))
                 else:  # per-parameter step scalars: one batch per parameter
                     by_hyper: Dict[int, tuple] = {}
                     for j, piece in enumerate(layout.shared8):
                         hp = seg_hyper[piece.segment]
                         by_hyper.setdefault(id(hp), (hp, []))[1].append(j)
                     for hp, which in by_hyper.values():
-                        pending.append(self._update_shared(layout, group, p, grad, state, hp, which, base))
+                        pending.append(self._update_shared(layout, group, p, grad, state, hp, which, base, keys))
             base += layout.num_slots * k
         vec = torch.zeros(total, dtype=torch.float32, device=device if device is not None else "cpu")
         for slots, maxima, _ in pending:
@@ -172,20 +186,25 @@ class StepRunner:
         for slots, _, finish in pending:
             finish(vec[slots])
 
-    def _update_shared(self, layout, group, p, grad, state, h, which, base):
+    def _update_shared(self, layout, group, p, grad, state, h, which, base, keys):
         """Update a tensor's shared pieces (all, or those in ``which``) in fp32; returns their slots in
         the all-reduce vector, their local maxima, and the function that quantizes once they are agreed."""
         opt, k = self.opt, self.k
         device = p.device
         maps = opt._maps(group, device)
-        elem, code_at, absmax_at, owner, slots = layout.shared_index(device, which)
+        elem, code_at, absmax_at, owner, slots, in_param = layout.shared_index(device, which)
         codes, absmax = state_views(state, k, codes=True)
         pf, gf = layout.param_views(p), grad.view(-1)
         p32 = pf.index_select(0, elem).to(torch.float32)
         states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
                   * absmax[i].index_select(0, absmax_at).index_select(0, owner) for i in range(k)]
         opt._update_fp32(p32, gf.index_select(0, elem).to(torch.float32), states, h)
-        pf.index_copy_(0, elem, p32.to(pf.dtype))
+        if keys is None or pf.dtype == torch.float32:
+            pf.index_copy_(0, elem, p32.to(pf.dtype))
+        else:  # each element's key is its parameter's
+            pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
+            piece_keys = torch.tensor([keys[pc.segment] for pc in pieces], dtype=torch.int64, device=device)
+            pf.index_copy_(0, elem, rounding.round_stochastic(p32, pf.dtype, piece_keys[owner], in_param))
         n = absmax_at.numel()
         maxima = torch.zeros(k, n, dtype=torch.float32, device=device)
         for i in range(k):

@@ -19,7 +19,7 @@ from torch import nn
 
 import deepspeed
 import ds_q8
-from ds_q8.memory import measured_state_bytes
+from ds_q8.memory import measure_model_states, measured_state_bytes
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
 
@@ -99,15 +99,24 @@ def run_job(job, rank, world):
     gas = job["config"].get("gradient_accumulation_steps", 1)
     start = job.get("start_step", 0)
     losses, lrs = [], []
+    model_states = None
     for step in range(start, start + job["steps"]):
         total = 0.0
-        for micro in range(gas):
-            x, y = batch(step, micro, rank)
-            logits = engine(x)
-            loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
-            engine.backward(loss)
-            engine.step()
-            total += float(loss.detach())
+
+        def one_step():
+            nonlocal total
+            for micro in range(gas):
+                x, y = batch(step, micro, rank)
+                logits = engine(x)
+                loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+                engine.backward(loss)
+                engine.step()
+                total += float(loss.detach())
+
+        if job.get("model_states") and model_states is None:  # measured over the first optimizer step
+            model_states = measure_model_states(engine, one_step)
+        else:
+            one_step()
         t = torch.tensor([total / gas], dtype=torch.float64)
         dist.all_reduce(t)
         losses.append(float(t) / world)
@@ -118,7 +127,8 @@ def run_job(job, rank, world):
     by_rank = [None] * world
     dist.all_gather_object(by_rank, measured_state_bytes(engine))
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
-               state_entries=entries, stepped_dtypes=stepped)
+               state_entries=entries, stepped_dtypes=stepped, model_states=model_states,
+               param_sizes=[p.numel() for p in model.parameters()])
     if hasattr(engine, "destroy"):
         engine.destroy()
     return rec

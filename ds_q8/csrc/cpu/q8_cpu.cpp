@@ -140,7 +140,17 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
     a.hyper = hp.data();
     a.num_hyper = (int)hp.size();
     a.num_threads = at::get_num_threads();
+    a.stochastic = false;
     return a;
+}
+
+// Stochastic rounding of tensor t's parameter write (arguments checked by binding::check_rounding).
+void set_rounding(StepArgs& a, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t t,
+                  size_t n) {
+    if (!binding::check_rounding(sr_keys, sr_index, n)) return;
+    a.stochastic = true;
+    a.sr_key = (uint32_t)sr_keys[t];
+    a.sr_index = sr_index[t];
 }
 
 // One tensor's part of a step, checked. The maps, block size and hyperparameters are shared.
@@ -186,11 +196,13 @@ void run_step(const std::string& isa, const std::string& rule, const std::vector
 
 void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
           std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes,
-          std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
+          std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
+          const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
     check_isa(isa);
     check_block_size(block_size);
     const auto hp = hyper_params(hyper);
     std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(codes, lookups), block_size, hp)};
+    set_rounding(args[0], sr_keys, sr_index, 0, 1);
     if (args[0].numel == 0) args.clear();
     run_step(isa, rule, args, param, grad);
 }
@@ -201,7 +213,8 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
 void step_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
                std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
                std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> codes,
-               std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper) {
+               std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
+               const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
     check_isa(isa);
     check_block_size(block_size);
     const size_t n = params.size();
@@ -215,6 +228,7 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
     for (size_t t = 0; t < n; ++t) {
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], maps, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
+        set_rounding(a, sr_keys, sr_index, t, n);
         if (a.numel > 0) args.push_back(a);
     }
     if (n == 0) return;
@@ -225,7 +239,8 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
 // min_8bit_size): states[t] holds the 1 or 2 float32 states of tensor t, updated in place.
 void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
                     std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
-                    const std::map<std::string, double>& hyper) {
+                    const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+                    const std::vector<int64_t>& sr_index) {
     check_isa(isa);
     const size_t n = params.size();
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n,
@@ -241,6 +256,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
                           "tensor ", t, " has ", k);
         StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
         check_same_dtypes(params, grads, t, "step_fp32_many");
+        set_rounding(a, sr_keys, sr_index, t, n);
         a.fp32_states = true;
         for (size_t i = 0; i < k; ++i) {
             const torch::Tensor& st = states[t][i];

@@ -34,6 +34,9 @@ struct StepArgs {
     const HyperParam* hyper;
     int num_hyper;
     int num_threads;
+    bool stochastic;           // 16-bit params: write them with stochastic rounding (q8_store_sr)
+    uint32_t sr_key;           // the hash key of this tensor's random bits
+    int64_t sr_index;          // index of param[0] in its original parameter
 };
 
 struct QuantizeArgs {

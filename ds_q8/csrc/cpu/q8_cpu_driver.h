@@ -34,6 +34,27 @@ constexpr int kMaxBlock = 4096;
 
 inline int64_t q8_min(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// A parameter write: rounded to nearest, or stochastically for 16-bit parameters when the tensor asks
+// (the same bits as the CUDA kernel and the reference: q8_store_sr on each element).
+template <class T> struct IsFloat32 { static constexpr bool value = false; };
+template <> struct IsFloat32<float> { static constexpr bool value = true; };
+
+template <class I, class P>
+inline void store_param(P* p, typename I::V v, int cnt, const StepArgs& a, int64_t at) {
+    if constexpr (IsFloat32<P>::value) {
+        I::store(p, v, cnt);
+    } else {
+        if (!a.stochastic) {
+            I::store(p, v, cnt);
+            return;
+        }
+        alignas(64) float vals[I::W];
+        I::store_tmp(vals, v);
+        const uint32_t first = (uint32_t)(a.sr_index + at);
+        for (int i = 0; i < cnt; ++i) q8_store_sr(p + i, vals[i], q8_sr_bits(a.sr_key, first + (uint32_t)i));
+    }
+}
+
 // The work units (blocks, or spans of `unit` values) of many tensors as one range: prefix sums of
 // the per-tensor unit counts, and the tensor that holds a unit. A static OpenMP schedule hands each
 // thread an increasing range, so `tensor_of` only ever walks forward from the thread's last answer.
@@ -126,7 +147,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                     V st[K];
                     for (int k = 0; k < K; ++k) st[k] = s[k][j];
                     rule(p, g, st);
-                    I::store(param + start + at, p, cnt);
+                    store_param<I>(param + start + at, p, cnt, a, start + at);
                     for (int k = 0; k < K; ++k) {
                         I::store_tmp(tmp[k] + at, st[k]);
                         acc[k] = I::absmax_step(acc[k], st[k], cnt);
@@ -170,7 +191,7 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
                 V s[K];
                 for (int k = 0; k < K; ++k) s[k] = I::load(a.states32[k] + start + i, cnt);
                 rule(p, g, s);
-                I::store(param + start + i, p, cnt);
+                store_param<I>(param + start + i, p, cnt, a, start + i);
                 for (int k = 0; k < K; ++k) I::store(a.states32[k] + start + i, s[k], cnt);
             }
         }

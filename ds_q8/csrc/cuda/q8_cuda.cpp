@@ -52,12 +52,23 @@ void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std
     }
 }
 
+// Stochastic rounding of tensor t's parameter write (arguments checked by binding::check_rounding).
+void set_rounding(StepTensors& s, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t t,
+                  size_t n) {
+    s.stochastic = binding::check_rounding(sr_keys, sr_index, n);
+    s.sr_key = s.stochastic ? (uint32_t)sr_keys[t] : 0u;
+    s.sr_index = s.stochastic ? sr_index[t] : 0;
+}
+
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
           std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups,
-          int64_t block_size, const std::map<std::string, double>& hyper) {
+          int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+          const std::vector<int64_t>& sr_index) {
     check_block_size(block_size);
     check_step(param, grad, states, absmax, codes, lookups, block_size);
-    cuda_step(StepTensors{rule, param, grad, states, absmax, codes, lookups, block_size}, hyper);
+    StepTensors s{rule, param, grad, states, absmax, codes, lookups, block_size};
+    set_rounding(s, sr_keys, sr_index, 0, 1);
+    cuda_step(s, hyper);
 }
 
 // Many tensors that share the rule, maps, block size and hyperparameters: all are checked first,
@@ -65,7 +76,8 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
 void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
                std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups, int64_t block_size,
-               const std::map<std::string, double>& hyper) {
+               const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+               const std::vector<int64_t>& sr_index) {
     check_block_size(block_size);
     const size_t n = params.size();
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
@@ -76,9 +88,14 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
         // one dtype pair, so that a pair without a kernel fails on the first tensor, before any launch
         binding::check_same_dtypes(params, grads, t, "step_many");
     }
-    for (size_t t = 0; t < n; ++t)
-        if (params[t].numel() > 0)
-            cuda_step(StepTensors{rule, params[t], grads[t], states[t], absmax[t], codes, lookups, block_size}, hyper);
+    std::vector<StepTensors> calls;
+    for (size_t t = 0; t < n; ++t) {
+        StepTensors s{rule, params[t], grads[t], states[t], absmax[t], codes, lookups, block_size};
+        set_rounding(s, sr_keys, sr_index, t, n);  // checked for every tensor before any launch
+        calls.push_back(s);
+    }
+    for (const StepTensors& s : calls)
+        if (s.param.numel() > 0) cuda_step(s, hyper);
 }
 
 std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,

@@ -15,6 +15,9 @@ struct StepTensors {
     at::Tensor param, grad;
     std::vector<at::Tensor> states, absmax, codes, lookups;
     int64_t block_size;
+    bool stochastic;    // 16-bit params: write them with stochastic rounding (q8_store_sr)
+    uint32_t sr_key;    // the hash key of this tensor's random bits
+    int64_t sr_index;   // index of param[0] in its original parameter
 };
 
 void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);

@@ -143,7 +143,8 @@ struct StepPointers {
 
 template <class Rule, class P, class G>
 __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, StepPointers<Rule::kStates> st,
-                            int64_t numel, int block_size, int T, bool vec, Rule rule) {
+                            int64_t numel, int block_size, int T, bool vec, bool stochastic, uint32_t sr_key,
+                            int64_t sr_index, Rule rule) {
     constexpr int K = Rule::kStates;
     __shared__ float s_code[K][256];
     __shared__ float red[1024 / 32];
@@ -173,7 +174,12 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
             rule(p[i], g[i], sv);
             for (int k = 0; k < K; ++k) s[k][i] = sv[k];
         }
-        store8(param + start, p, cnt, vec);
+        if (stochastic) {
+            for (int i = 0; i < cnt; ++i)
+                q8_store_sr(&param[start + i], p[i], q8_sr_bits(sr_key, (uint32_t)(sr_index + start + i)));
+        } else {
+            store8(param + start, p, cnt, vec);
+        }
     }
     for (int k = 0; k < K; ++k) {
         local[k] = 0.0f;
@@ -253,7 +259,7 @@ void launch_step(const StepTensors& t, const Rule& rule) {
     auto stream = c10::cuda::getCurrentCUDAStream();
     step_kernel<Rule, P, G><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(
         reinterpret_cast<P*>(t.param.data_ptr()), reinterpret_cast<const G*>(t.grad.data_ptr()), st, n,
-        (int)t.block_size, geo.threads_per_qblock, vec, rule);
+        (int)t.block_size, geo.threads_per_qblock, vec, t.stochastic, t.sr_key, t.sr_index, rule);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -66,5 +66,20 @@ inline torch::Tensor build_lookup(const torch::Tensor& code) {
     return lookup;
 }
 
+// The stochastic-rounding arguments of a step over n tensors: both empty (round to nearest), or a
+// 32-bit hash key and the index of the first element in its original parameter for every tensor.
+// Returns whether rounding is stochastic.
+inline bool check_rounding(const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t n) {
+    if (sr_keys.empty() && sr_index.empty()) return false;
+    TORCH_CHECK_VALUE(sr_keys.size() == n && sr_index.size() == n, "sr_keys and sr_index must be empty or have one ",
+                      "entry per tensor (", n, "), got ", sr_keys.size(), " and ", sr_index.size());
+    for (size_t t = 0; t < n; ++t) {
+        TORCH_CHECK_VALUE(sr_keys[t] >= 0 && sr_keys[t] <= 0xFFFFFFFFLL, "sr_keys must be 32-bit unsigned, got ",
+                          sr_keys[t]);
+        TORCH_CHECK_VALUE(sr_index[t] >= 0, "sr_index must be >= 0, got ", sr_index[t]);
+    }
+    return true;
+}
+
 }  // namespace binding
 }  // namespace ds_q8

@@ -121,6 +121,52 @@ Q8_HD float q8_float_from_half(uint16_t h) {
 }
 
 Q8_HD float q8_to_float(float v) { return v; }
+// ------------------------------------------------------------------ stochastic rounding
+// A 16-bit parameter written with stochastic rounding takes the neighbour above it with a
+// probability equal to how far the value lies toward that neighbour, so that it is right on average
+// and updates smaller than half a unit in the last place still count. The random bits are a hash of
+// (key, element index); the host folds the seed, the step and the parameter's identity into the key
+// (ds_q8.optim.rounding.sr_key), so the CPU and CUDA kernels and the PyTorch reference draw the same
+// bits for an element, wherever a partition put it.
+Q8_HD uint32_t q8_mix32(uint32_t h) {  // the murmur3 finalizer
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return h;
+}
+
+Q8_HD uint32_t q8_sr_bits(uint32_t key, uint32_t index) { return q8_mix32(key ^ index); }
+
+// bf16 keeps the top 16 bits of a float: adding 16 random bits below them carries into the kept part
+// with probability (dropped bits) / 2^16. Inf and NaN round as to nearest.
+Q8_HD uint16_t q8_bf16_from_float_sr(float f, uint32_t r) {
+    uint32_t u = q8_bits(f);
+    if ((u & 0x7F800000u) == 0x7F800000u) return q8_bf16_from_float(f);
+    return (uint16_t)((u + (r & 0xFFFFu)) >> 16);
+}
+
+// fp16: the neighbours below and above |f|, and 24 random bits compared with the exact fraction of
+// the step between them. |f| >= 65504 (and Inf, NaN) round as to nearest.
+Q8_HD uint16_t q8_half_from_float_sr(float f, uint32_t r) {
+    const uint32_t u = q8_bits(f);
+    const float a = q8_float(u & 0x7FFFFFFFu);
+    if (!(a < 65504.0f)) return q8_half_from_float(f);
+    uint16_t h = q8_half_from_float(a);
+    if (q8_float_from_half(h) > a) --h;                                  // toward zero
+    const float lo = q8_float_from_half(h);
+    const float step = q8_float_from_half((uint16_t)(h + 1)) - lo;       // exact: a power of two
+    const float frac = (a - lo) / step;                                  // exact, in [0, 1)
+    const float draw = (float)(r >> 8) * 5.9604644775390625e-08f;        // 24 bits times 2^-24, exact
+    if (draw < frac) ++h;
+    return (uint16_t)(((u >> 16) & 0x8000u) | h);
+}
+
+Q8_HD void q8_store_sr(float* p, float v, uint32_t) { *p = v; }
+Q8_HD void q8_store_sr(q8_half* p, float v, uint32_t r) { p->x = q8_half_from_float_sr(v, r); }
+Q8_HD void q8_store_sr(q8_bf16* p, float v, uint32_t r) { p->x = q8_bf16_from_float_sr(v, r); }
+
 Q8_HD float q8_to_float(q8_half v) { return q8_float_from_half(v.x); }
 Q8_HD float q8_to_float(q8_bf16 v) { return q8_float_from_bf16(v.x); }
 Q8_HD void q8_store(float* p, float v) { *p = v; }

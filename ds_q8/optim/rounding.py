@@ -1,0 +1,111 @@
+"""Stochastic rounding of 16-bit parameter writes: the specification the kernels reproduce.
+
+With bf16 (or fp16) master weights an update smaller than half a unit in the last place rounds
+away, every step, and training stalls. Written with stochastic rounding, a value takes the 16-bit
+neighbour above it with probability equal to how far it lies toward that neighbour: right on
+average, so small updates accumulate.
+
+The random bits of an element are ``mix32(key ^ index)``: ``index`` is the element's position in
+its original parameter (below 2^32) and ``key`` folds in the seed, the step count and the
+parameter's identity (its group and its position among the group's trainable parameters), so the
+bits do not depend on how ZeRO partitioned the parameter, and a resumed run draws what the
+uninterrupted one would. ``mix32`` is the murmur3 finalizer. The C++ and CUDA kernels implement the
+same functions in ``csrc/includes/q8_common.h`` (``q8_sr_bits``, ``q8_*_from_float_sr``).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def mix32(h: int) -> int:
+    """The murmur3 32-bit finalizer on a Python int."""
+    h &= _M32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
+    h ^= h >> 16
+    return h
+
+
+def step_key(seed: int, step: int) -> int:
+    """The part of the key shared by every parameter at one step."""
+    return mix32(mix32(seed) ^ (step & _M32))
+
+
+def sr_key(step_part: int, group_index: int, param_index: int) -> int:
+    """The key of one parameter's random bits at one step (``step_part`` from :func:`step_key`)."""
+    return mix32(mix32(step_part ^ (group_index & _M32)) ^ (param_index & _M32))
+
+
+def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
+    """(a * b) mod 2^32 for int64 tensors holding 32-bit values, without int64 overflow."""
+    lo, hi = a & 0xFFFF, a >> 16
+    return (lo * b + (((hi * b) & 0xFFFF) << 16)) & _M32
+
+
+def mix32_t(h: torch.Tensor) -> torch.Tensor:
+    """:func:`mix32` on an int64 tensor of 32-bit values."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def random_bits(key: Union[int, torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """32 random bits per element (int64 tensor): ``mix32(key ^ index)``."""
+    k = key if isinstance(key, int) else key.to(torch.int64)
+    return mix32_t((index.to(torch.int64) & _M32) ^ k)
+
+
+def _bits_of(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+def to_bf16_stochastic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """float32 -> bfloat16 with stochastic rounding: 16 random bits added below the kept ones.
+    Inf and NaN round as to nearest."""
+    u = _bits_of(x)
+    special = (u & 0x7F800000) == 0x7F800000
+    top = ((u + (r & 0xFFFF)) >> 16) << 16
+    top = torch.where(top >= 1 << 31, top - (1 << 32), top).to(torch.int32)  # back to a signed bit pattern
+    out = top.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+    return torch.where(special, x.to(torch.bfloat16), out)
+
+
+def to_fp16_stochastic(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """float32 -> float16 with stochastic rounding: the neighbours below and above |x| and 24 random
+    bits compared with the exact fraction of the step between them. |x| >= 65504, Inf and NaN
+    round as to nearest."""
+    a = x.abs()
+    h = a.to(torch.float16).view(torch.int16).to(torch.int32)
+    h = h - (h.to(torch.int16).view(torch.float16).to(torch.float32) > a).to(torch.int32)  # toward zero
+    lo = h.to(torch.int16).view(torch.float16).to(torch.float32)
+    step = (h + 1).to(torch.int16).view(torch.float16).to(torch.float32) - lo
+    frac = (a - lo) / step
+    draw = (r >> 8).to(torch.float32) * 5.9604644775390625e-08
+    h = h + (draw < frac).to(torch.int32)
+    out = h.to(torch.int16).view(torch.float16)
+    out = torch.where(torch.signbit(x), -out, out)
+    return torch.where(a < 65504.0, out, x.to(torch.float16))
+
+
+def round_stochastic(x: torch.Tensor, dtype: torch.dtype, key: Union[int, torch.Tensor],
+                     index: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` written as ``dtype`` (bf16 or fp16) with stochastic rounding; ``index`` holds
+    each element's position in its original parameter, ``key`` the parameter's key (or one per element)."""
+    r = random_bits(key, index)
+    if dtype == torch.bfloat16:
+        return to_bf16_stochastic(x, r)
+    if dtype == torch.float16:
+        return to_fp16_stochastic(x, r)
+    return x.to(dtype)
+
+
+__all__ = ["mix32", "step_key", "sr_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
+           "to_fp16_stochastic"]
