@@ -211,7 +211,7 @@ MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_st
 
 
 def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size: int = F.DEFAULT_BLOCK_SIZE,
-                         min_8bit_size: int = 4096) -> Dict[str, int]:
+                         min_8bit_size: int = 4096, group_bits: Sequence[int] = None) -> Dict[str, int]:
     """Bytes of a rung of :data:`LADDER` at ZeRO-2 on one rank, part by part.
 
     * ``params``: the bf16 parameters the model computes with (2 bytes each);
@@ -220,7 +220,8 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
       even length (DeepSpeed's alignment at one rank);
     * ``master_grads``: the gradient partition handed to the optimizer, in the masters' dtype: it lives
       during the step, one group at a time, all of it when one group holds most parameters;
-    * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state.
+    * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state
+      (``group_bits``: 32 for a group kept in fp32, such as ``ds_q8.param_groups``'s embeddings).
     """
     if rung not in LADDER:
         raise ValueError(f"rung must be one of {sorted(LADDER)}, got {rung!r}")
@@ -229,7 +230,8 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
     padded = sum(math.ceil(n / 2) * 2 for n in sizes)
     total = sum(sizes)
     states = (2 * moment * padded if moment is not None else
-              estimate_state_bytes(groups, 2, 1, optimizer, block_size=block_size, min_8bit_size=min_8bit_size))
+              estimate_state_bytes(groups, 2, 1, optimizer, block_size=block_size, min_8bit_size=min_8bit_size,
+                                   group_bits=group_bits))
     return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master * padded,
                 optimizer_states=states)
 

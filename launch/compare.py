@@ -1,13 +1,22 @@
-"""Train the same GPT twice, with 8-bit and with 32-bit Adam, and write a report with a loss plot.
+"""Train the same GPT with 8-bit and 32-bit optimizer state, fp32 and bf16 masters; write a report and plots.
 
-    python launch/compare.py                         # tiny GPT on CPU, a few minutes
-    python launch/compare.py --max_steps 2000 --config8 ds_configs/gpt2_small_8bit_zero2.json \\
-        --config32 MY_32BIT.json --launcher "deepspeed --num_gpus 8" -- --model gpt2
+    python launch/compare.py                         # tiny GPT on CPU, five runs, a few minutes
+    python launch/compare.py --runs 8bit 32bit       # just the first two
+    python launch/compare.py --max_steps 2000 --config 8bit=ds_configs/gpt2_small_8bit_zero2.json \
+        --config 32bit=MY_32BIT.json --launcher "deepspeed --num_gpus 8" -- --model gpt2
 
-Arguments after ``--`` (and any this script does not know) go to both runs of train_gpt.py.
-Both runs share model, data, seed and schedule; only the DeepSpeed config differs.
-Writes ``<save_dir>/report.md`` and ``<save_dir>/loss.png``; the runs live in ``<save_dir>/8bit`` and
-``<save_dir>/32bit`` (each with metrics.jsonl and summary.json).
+The runs (``--runs``; ``--config NAME=FILE`` replaces a run's DeepSpeed config):
+
+* ``32bit``: DeepSpeed's Adam (torch.optim.Adam), fp32 masters and moments;
+* ``8bit``: ds_q8 Adam8bitBlock, fp32 masters;
+* ``bf16_states``: DeepSpeed's Adam with bf16 master weights and bf16 moments;
+* ``8bit_bf16``: Adam8bitBlock with bf16 master weights, written with stochastic rounding;
+* ``8bit_bf16_nosr``: the same rounded to nearest, to show what stochastic rounding buys.
+
+Arguments after ``--`` (and any this script does not know) go to every run of train_gpt.py.
+All runs share model, data, seed and schedule; only the DeepSpeed config differs.
+Writes ``<save_dir>/report.md`` and ``<save_dir>/loss.png``; the runs live in ``<save_dir>/<run>``
+(each with metrics.jsonl and summary.json).
 """
 from __future__ import annotations
 
@@ -25,13 +34,24 @@ sys.path.insert(0, str(HERE))
 
 from metrics_log import read_metrics  # noqa: E402
 
-RUNS = ("8bit", "32bit")
+# run -> (default config, label in the report and plot)
+RUNS = {
+    "32bit": ("tiny_cpu_32bit.json", "32-bit Adam, fp32 masters"),
+    "8bit": ("tiny_cpu_8bit.json", "8-bit, fp32 masters"),
+    "bf16_states": ("tiny_cpu_bf16_states.json", "32-bit Adam, bf16 masters and moments"),
+    "8bit_bf16": ("tiny_cpu_8bit_bf16master.json", "8-bit, bf16 masters, stochastic rounding"),
+    "8bit_bf16_nosr": ("tiny_cpu_8bit_bf16master_nosr.json", "8-bit, bf16 masters, round to nearest"),
+}
+BASELINE = "32bit"
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam on the same GPT: report and loss plot.")
-    ap.add_argument("--config8", default=str(REPO / "ds_configs" / "tiny_cpu_8bit.json"))
-    ap.add_argument("--config32", default=str(REPO / "ds_configs" / "tiny_cpu_32bit.json"))
+    ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam, fp32 and bf16 masters, on the same GPT: report "
+                                             "and loss plot.")
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
+                    help="which runs, in this order (default: all five)")
+    ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
+                    help="the DeepSpeed config of run NAME (repeatable)")
     ap.add_argument("--save_dir", default=str(REPO / "out" / "compare"))
     ap.add_argument("--max_steps", type=int, default=200)
     ap.add_argument("--launcher", default="",
@@ -40,17 +60,26 @@ def parse_args(argv=None):
     args, passthrough = ap.parse_known_args(argv)
     if args.max_steps < 1:
         ap.error(f"--max_steps must be an integer >= 1, got {args.max_steps}")
+    args.configs = {run: str(REPO / "ds_configs" / cfg) for run, (cfg, _) in RUNS.items()}
+    for item in args.config:
+        name, sep, path = item.partition("=")
+        if not sep or name not in RUNS:
+            ap.error(f"--config must be NAME=FILE with NAME one of {list(RUNS)}, got {item!r}")
+        args.configs[name] = path
+    if BASELINE not in args.runs:
+        ap.error(f"--runs must include {BASELINE!r}, the baseline the others are compared with")
     args.passthrough = [a for a in passthrough if a != "--"]
+    if not any(a.startswith("--eval_interval") for a in args.passthrough):
+        args.passthrough += ["--eval_interval", "20"]  # ten points for the difference plot
     return args
 
 
 def train_command(args, run: str) -> list:
-    config = args.config8 if run == "8bit" else args.config32
     launcher = shlex.split(args.launcher)
     # the deepspeed launcher starts python itself; anything else (mpirun, nothing) needs the interpreter
     prefix = launcher if launcher and Path(launcher[0]).name == "deepspeed" else launcher + [sys.executable]
-    return prefix + [str(HERE / "train_gpt.py"), "--deepspeed_config", config, "--max_steps", str(args.max_steps),
-                     "--save_dir", str(Path(args.save_dir) / run), "--overwrite"] + args.passthrough
+    return prefix + [str(HERE / "train_gpt.py"), "--deepspeed_config", args.configs[run], "--max_steps",
+                     str(args.max_steps), "--save_dir", str(Path(args.save_dir) / run), "--overwrite"] + args.passthrough
 
 
 def load_run(save_dir: Path, run: str) -> dict:
@@ -61,25 +90,37 @@ def load_run(save_dir: Path, run: str) -> dict:
     return dict(summary=json.loads(summary_path.read_text()), metrics=read_metrics(d / "metrics.jsonl"))
 
 
+COLORS = {"32bit": "tab:orange", "8bit": "tab:blue", "bf16_states": "tab:green", "8bit_bf16": "tab:purple",
+          "8bit_bf16_nosr": "tab:red"}
+STYLES = {"32bit": "-", "8bit": "--", "bf16_states": "-.", "8bit_bf16": ":", "8bit_bf16_nosr": (0, (5, 1, 1, 1))}
+
+
 def plot(runs: dict, path: Path) -> None:
+    """Left: train (faint) and eval loss of every run. Right: each run's eval loss minus the 32-bit
+    run's, where curves that lie on top of each other on the left come apart."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    colors = {"8bit": "tab:blue", "32bit": "tab:orange"}
+    fig, (ax, diff) = plt.subplots(1, 2, figsize=(12, 4.4))
+    base_eval = {m["step"]: m["eval_loss"] for m in runs[BASELINE]["metrics"] if "eval_loss" in m}
     for name, r in runs.items():
-        label = f"{name} ({r['summary']['optimizer']})"
-        steps = [m["step"] for m in r["metrics"]]
-        ax.plot(steps, [m["loss"] for m in r["metrics"]], color=colors[name], alpha=0.45, lw=1,
-                label=f"{label} train")
+        label, color, style = RUNS[name][1], COLORS[name], STYLES[name]
+        ax.plot([m["step"] for m in r["metrics"]], [m["loss"] for m in r["metrics"]], color=color, alpha=0.25, lw=1)
         ev = [m for m in r["metrics"] if "eval_loss" in m]
-        ax.plot([m["step"] for m in ev], [m["eval_loss"] for m in ev], "o-", color=colors[name], ms=4,
-                label=f"{label} eval")
+        ax.plot([m["step"] for m in ev], [m["eval_loss"] for m in ev], marker="o", ls=style, color=color, ms=3,
+                label=label)
+        shared = [m for m in ev if m["step"] in base_eval]
+        diff.plot([m["step"] for m in shared], [m["eval_loss"] - base_eval[m["step"]] for m in shared], marker="o",
+                  ls=style, color=color, ms=3, label=label)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("cross-entropy (nats/token); train faint, eval with markers")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
+    diff.axhline(0.0, color="black", lw=0.8)
+    diff.set_xlabel("step")
+    diff.set_ylabel("eval loss minus the 32-bit run's (nats/token)")
+    diff.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -91,7 +132,9 @@ def _mean_last(metrics: list, key: str, n: int = 10) -> float:
 
 
 def report(runs: dict, plot_name: str) -> str:
-    s8, s32 = runs["8bit"]["summary"], runs["32bit"]["summary"]
+    names = list(runs)
+    summaries = {n: runs[n]["summary"] for n in names}
+    base = summaries[BASELINE]
     rows = [
         ("optimizer", lambda s, m: s["optimizer"]),
         ("DeepSpeed config", lambda s, m: f"`{Path(s['config']).name}`"),
@@ -100,6 +143,7 @@ def report(runs: dict, plot_name: str) -> str:
         ("steps", lambda s, m: s["steps"]),
         ("train loss, mean of last 10 steps", lambda s, m: f"{_mean_last(m, 'loss'):.4f}"),
         ("final eval loss", lambda s, m: f"{s['final_eval_loss']:.4f}"),
+        ("eval loss vs 32-bit", lambda s, m: f"{100 * (s['final_eval_loss'] / base['final_eval_loss'] - 1):+.2f}%"),
         ("final eval perplexity", lambda s, m: f"{s['final_eval_ppl']:.3f}"),
         ("mean step time (s, first step excluded)", lambda s, m: f"{s['mean_step_time_s']:.4f}"),
         ("tokens/s", lambda s, m: f"{s['tokens_per_s']:.0f}"),
@@ -107,20 +151,25 @@ def report(runs: dict, plot_name: str) -> str:
         ("optimizer state per parameter (bytes)", lambda s, m: f"{s['optimizer_state_bytes'] / s['n_params']:.3f}"),
         ("peak RSS of rank 0 (MB)", lambda s, m: f"{s['peak_rss_bytes_rank0'] / 2**20:.0f}"),
     ]
-    if "peak_device_bytes_rank0" in s8 and "peak_device_bytes_rank0" in s32:
+    if all("peak_device_bytes_rank0" in s for s in summaries.values()):
         rows.append(("peak GPU memory of rank 0 (MB)", lambda s, m: f"{s['peak_device_bytes_rank0'] / 2**20:.0f}"))
-    lines = [f"# 8-bit vs 32-bit Adam: {s8['model']} GPT-2", "",
-             "| | 8-bit | 32-bit |", "|---|---:|---:|"]
+    lines = [f"# 8-bit vs 32-bit Adam, fp32 and bf16 masters: {base['model']} GPT-2", "",
+             "| | " + " | ".join(RUNS[n][1] for n in names) + " |", "|---|" + "---:|" * len(names)]
     for label, fn in rows:
-        lines.append(f"| {label} | {fn(s8, runs['8bit']['metrics'])} | {fn(s32, runs['32bit']['metrics'])} |")
-    d_eval = s8["final_eval_loss"] - s32["final_eval_loss"]
-    ratio = s8["optimizer_state_bytes"] / s32["optimizer_state_bytes"]
+        lines.append(f"| {label} | " + " | ".join(str(fn(summaries[n], runs[n]["metrics"])) for n in names) + " |")
+    lines.append("")
+    for n in names:
+        if n == BASELINE:
+            continue
+        d_eval = summaries[n]["final_eval_loss"] - base["final_eval_loss"]
+        ratio = summaries[n]["optimizer_state_bytes"] / base["optimizer_state_bytes"]
+        lines.append(f"- {RUNS[n][1]}: eval loss {d_eval:+.4f} nats/token against the 32-bit run (perplexity ratio "
+                     f"{math.exp(d_eval):.4f}); optimizer state {ratio:.3f}x its bytes.")
     lines += [
         "",
-        f"Eval loss, 8-bit minus 32-bit: {d_eval:+.4f} nats/token "
-        f"(perplexity ratio {math.exp(d_eval):.4f}). Optimizer state: 8-bit holds {ratio:.3f}x the bytes of 32-bit.",
         "Peak RSS includes the Python process, libraries and the data; on a small model it hides the optimizer "
-        "difference, which the state bytes show exactly. Step times on a shared CPU are noisy.",
+        "difference, which the state bytes show exactly. Step times on a shared CPU are noisy. The right-hand plot "
+        "shows each run's eval loss minus the 32-bit run's.",
         "",
         f"![train and eval loss]({plot_name})",
         "",
@@ -133,13 +182,13 @@ def main(argv=None) -> Path:
     save_dir = Path(args.save_dir)
     save_dir.mkdir(parents=True, exist_ok=True)
     if not args.report_only:
-        for run in RUNS:
+        for run in args.runs:
             cmd = train_command(args, run)
             print(f"== {run}: {shlex.join(cmd)}", flush=True)
             rc = subprocess.call(cmd)
             if rc != 0:
                 raise SystemExit(f"the {run} run failed with exit status {rc}")
-    runs = {run: load_run(save_dir, run) for run in RUNS}
+    runs = {run: load_run(save_dir, run) for run in args.runs}
     plot(runs, save_dir / "loss.png")
     path = save_dir / "report.md"
     path.write_text(report(runs, "loss.png"))

@@ -33,19 +33,22 @@ def gpt2_config(model: str, vocab_size: int, context: int, n_layer: Optional[int
                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
 
 
-def build_model(config, stable_embedding: bool = False) -> torch.nn.Module:
+def build_model(config, stable_embedding: bool = False, dtype: Optional[torch.dtype] = None) -> torch.nn.Module:
     """GPT2LMHeadModel with fresh weights; optionally a StableEmbedding for the tokens.
 
+    ``dtype`` (e.g. bf16 for a bf16 DeepSpeed config) creates the weights in that dtype directly: a
+    1.5B model then never holds an fp32 copy (6 GB) on its way to bf16 (3 GB).
     The LM head stays tied to the token embedding, so with a StableEmbedding the head reads the
     same Xavier-initialised weight the embedding uses.
     """
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
     import ds_q8
 
-    model = GPT2LMHeadModel(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype is not None else \
+        AutoModelForCausalLM.from_config(config)
     if stable_embedding:
         old = model.transformer.wte
-        model.transformer.wte = ds_q8.StableEmbedding(old.num_embeddings, old.embedding_dim)
+        model.transformer.wte = ds_q8.StableEmbedding(old.num_embeddings, old.embedding_dim, dtype=dtype)
         model.tie_weights()
         if model.lm_head.weight is not model.transformer.wte.weight:
             raise RuntimeError("LM head did not tie to the StableEmbedding weight")

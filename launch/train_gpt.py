@@ -191,7 +191,8 @@ def main(argv=None) -> dict:
     # ---- model and engine
     torch.manual_seed(args.seed)  # same initial weights on every rank and every run
     config = gpt_models.gpt2_config(args.model, tokenizer.vocab_size, args.context, args.n_layer, args.dropout)
-    model = gpt_models.build_model(config, args.stable_embedding)
+    bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
+    model = gpt_models.build_model(config, args.stable_embedding, torch.bfloat16 if bf16 else None)
     n_params = sum(p.numel() for p in model.parameters())
     weight_decay = float(cfg["optimizer"]["params"].get("weight_decay", 0.0))
     groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state

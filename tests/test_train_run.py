@@ -79,12 +79,14 @@ def test_an_earlier_run_is_not_overwritten_silently(uninterrupted):
 
 def test_comparison_report_and_plot(tmp_path):
     out = tmp_path / "cmp"
-    run([sys.executable, LAUNCH / "compare.py", "--save_dir", out, "--max_steps", "4", "--",
+    run([sys.executable, LAUNCH / "compare.py", "--save_dir", out, "--max_steps", "4",
+         "--runs", "32bit", "8bit", "8bit_bf16", "--",
          "--eval_interval", "2", "--no_progress", *SMALL], timeout=400)
     text = (out / "report.md").read_text()
     png = (out / "loss.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    assert "| optimizer | Adam8bitBlock | Adam |" in text
+    assert "| optimizer | Adam | Adam8bitBlock | Adam8bitBlock |" in text
+    assert "| eval loss vs 32-bit | +0.00% |" in text and "8-bit, bf16 masters, stochastic rounding" in text
     assert "final eval perplexity" in text and "![train and eval loss](loss.png)" in text
     s8, s32 = summary(out / "8bit"), summary(out / "32bit")
     assert s8["n_params"] == s32["n_params"]

@@ -1,0 +1,131 @@
+"""GPT-2 1.5B at full depth on this machine: which rungs of the memory ladder fit, measured.
+
+    python launch/xl_memory.py                  # rungs (d) and (b), 3 steps each, a table at the end
+    python launch/xl_memory.py --rungs d b c    # also (c); a rung whose run is killed is reported so
+
+For each rung this runs, at world size 1 on the CPU,
+
+    python launch/train_gpt.py --model gpt2-xl --deepspeed_config CONFIG --context 64 --micro_batch 1 \\
+        --grad_accum 1 --max_steps 3 --save_dir out/xl/RUNG --overwrite --no_progress
+
+and prints the model-state bytes ds_q8.memory predicts for it (ZeRO-2, the parameter groups
+train_gpt.py uses), the peak RSS of the run (it includes the end-of-run checkpoint save and
+evaluation), its losses and seconds per step, and whether it fits in this machine's memory.
+
+Rungs (``ds_q8.memory.LADDER``): (a) DeepSpeed Adam with fp32 masters and moments, (b) DeepSpeed
+Adam with bf16 masters and moments, (c) ds_q8 8-bit with fp32 masters, (d) ds_q8 8-bit with bf16
+masters and stochastic rounding.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO))
+
+CONFIGS = {
+    "a": "gpt2_xl_32bit_zero2.json",
+    "b": "gpt2_xl_bf16_states_zero2.json",
+    "c": "gpt2_xl_8bit_zero2.json",
+    "d": "gpt2_xl_8bit_bf16master_zero2.json",
+}
+
+
+def predicted(rung: str, context: int) -> dict:
+    """The ladder's prediction for gpt2-xl with the byte vocabulary, grouped as train_gpt.py groups it."""
+    import torch
+    import ds_q8
+    from ds_q8.memory import predict_model_states
+    import gpt_data
+    import gpt_models
+
+    config = gpt_models.gpt2_config("gpt2-xl", gpt_data.make_tokenizer(None).vocab_size, context)
+    from transformers import GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    groups = ds_q8.param_groups(model, 0.0)
+    sizes = [[p.numel() for p in g["params"]] for g in groups]
+    bits = [g.get("optim_bits", 8) for g in groups]
+    parts = predict_model_states(sizes, rung, group_bits=bits)
+    return dict(parts=parts, total=sum(parts.values()), n_params=sum(map(sum, sizes)))
+
+
+def run(rung: str, steps: int, context: int, out: Path) -> dict:
+    save_dir = out / rung
+    cmd = [sys.executable, str(HERE / "train_gpt.py"), "--model", "gpt2-xl", "--deepspeed_config",
+           str(REPO / "ds_configs" / CONFIGS[rung]), "--context", str(context), "--micro_batch", "1",
+           "--grad_accum", "1", "--max_steps", str(steps), "--save_dir", str(save_dir), "--overwrite",
+           "--no_progress"]
+    print(f"== ({rung}) {' '.join(cmd)}", flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.call(cmd)
+    wall = time.perf_counter() - t0
+    rec = dict(rung=rung, rc=rc, wall_s=wall, config=CONFIGS[rung])
+    summary = save_dir / "summary.json"
+    if rc == 0 and summary.is_file():
+        s = json.loads(summary.read_text())
+        losses = [json.loads(line)["loss"] for line in (save_dir / "metrics.jsonl").read_text().splitlines()
+                  if '"loss"' in line]
+        rec.update(peak_rss=s["peak_rss_bytes_rank0"], losses=losses, step_s=s["mean_step_time_s"],
+                   state_bytes=s["optimizer_state_bytes"], finite=all(math.isfinite(x) for x in losses))
+    return rec
+
+
+def memory_total() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rungs", nargs="+", default=["d", "b"], choices=sorted(CONFIGS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--out", default=str(REPO / "out" / "xl"))
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
+    out = Path(args.out)
+    rows = []
+    for rung in args.rungs:
+        rec = run(rung, args.steps, args.context, out)
+        rec["predicted"] = predicted(rung, args.context)
+        rows.append(rec)
+    total = memory_total()
+    gib = 2 ** 30
+    print(f"\ngpt2-xl, byte vocabulary, context {args.context}, micro-batch 1, ZeRO-2, 1 rank, CPU; "
+          f"this machine: {total / gib:.1f} GiB")
+    print("| rung | config | model states, predicted | peak RSS, measured | losses | s / step | fits |")
+    print("|---|---|---:|---:|---|---:|---|")
+    for r in rows:
+        p = r["predicted"]
+        pred = f"{p['total'] / gib:.1f} GiB ({p['total'] / p['n_params']:.2f} B/param)"
+        if "peak_rss" in r:
+            losses = ", ".join(f"{x:.3f}" for x in r["losses"])
+            fits = "yes" if r["peak_rss"] < total else "no"
+            print(f"| ({r['rung']}) | `{r['config']}` | {pred} | {r['peak_rss'] / gib:.1f} GiB | {losses} | "
+                  f"{r['step_s']:.1f} | {fits} |")
+        else:
+            print(f"| ({r['rung']}) | `{r['config']}` | {pred} | - | exit status {r['rc']} after {r['wall_s']:.0f} s "
+                  "| - | no |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
