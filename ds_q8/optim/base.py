@@ -160,6 +160,8 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         the order DeepSpeed's ZeRO partitions keep, so that a parameter has one identity everywhere."""
         gi = next((i for i, g in enumerate(self.param_groups) if g is group), 0)
         trainable = [q for q in group["params"] if q.requires_grad]
+        if not any(q is p for q in trainable):  # a tensor stepped by hand: its place among all of them
+            trainable = group["params"]
         pi = next((i for i, q in enumerate(trainable) if q is p), 0)
         return gi, pi, max(1, len(trainable))
 

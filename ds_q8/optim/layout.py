@@ -212,8 +212,23 @@ class StateLayout:
                 "segments": [list(s) for s in self.segments]}
 
     def same_as(self, desc: dict) -> bool:
-        return (list(desc.get("shape", [])) == list(self.shape) and desc.get("block_size") == self.block_size
-                and [tuple(s)[:6] for s in desc.get("segments", [])] == [tuple(s)[:6] for s in self.segments])
+        """Whether a saved layout describes the same slices of the same parameters as this one.
+
+        Compared: where each segment lies in the tensor and in its parameter, the parameter's size, the
+        8/32-bit choice and, where both sides have one, the parameter's name (not its position, which
+        only names it: an optimizer over the same tensors in another order still fits)."""
+        if list(desc.get("shape", [])) != list(self.shape) or desc.get("block_size") != self.block_size:
+            return False
+        saved = [Segment(*s) for s in desc.get("segments", [])]
+        if len(saved) != len(self.segments):
+            return False
+        for a, b in zip(saved, self.segments):
+            if (a.start, a.numel, a.param_start, a.param_numel, bool(a.eight_bit)) != \
+                    (b.start, b.numel, b.param_start, b.param_numel, bool(b.eight_bit)):
+                return False
+            if a.name is not None and b.name is not None and a.name != b.name:
+                return False
+        return True
 
     @staticmethod
     def segments_of(desc: dict) -> List[Segment]:
