@@ -51,16 +51,16 @@ setup(
     package_data={"ds_q8": ["csrc/**/*", "csrc/*"]},
     include_package_data=True,
     python_requires=">=3.9",
+    # the optimizers need torch, and ninja to compile their kernels (through DeepSpeed's op
+    # builder: without DeepSpeed they take the pure-PyTorch reference step, same results)
     install_requires=[
         "torch>=2.4",
-        "deepspeed>=0.16",
         "ninja",
-        "transformers>=4.40",
-        "mpi4py",
-        "tqdm",
-        "matplotlib",
     ],
     extras_require={
+        "deepspeed": ["deepspeed>=0.16"],
+        # launch/: training, reports and launchers
+        "train": ["deepspeed>=0.16", "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
         "test": ["pytest", "hypothesis", "accelerate"],
     },
     ext_modules=ext_modules,

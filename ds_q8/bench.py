@@ -44,6 +44,7 @@ from ds_q8 import ops
 from ds_q8.optim.layout import Comm, Segment, StateLayout, shared_blocks
 
 BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
+_SKIPPED: set = set()  # rows reported as unavailable
 LR, WD = 1e-3, 1e-2
 
 
@@ -95,7 +96,9 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
         try:
             rows.append(dict(name=name, bytes=bytes_per_param, step=make()))
         except Exception as exc:  # an optional peer that is missing or cannot build
-            print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
+            if name not in _SKIPPED:  # the same row is built for several tables: say it once
+                _SKIPPED.add(name)
+                print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
 
     def ds_q8_kernel(nonfinite):
         kind = "cuda" if device.startswith("cuda") else "cpu"
@@ -116,6 +119,10 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     if device == "cpu":
         def deepspeed_cpu_adam():
             from deepspeed.ops.adam import DeepSpeedCPUAdam
+            from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+            from .op_builder.notice import announce_deepspeed_op
+
+            announce_deepspeed_op(CPUAdamBuilder, "DeepSpeed's cpu_adam op for its row", "about a minute")
             return DeepSpeedCPUAdam(_param(n, device, 4), lr=LR, weight_decay=WD, adamw_mode=True).step
         add("DeepSpeedCPUAdam", BYTES_32BIT, deepspeed_cpu_adam)
 
@@ -315,7 +322,7 @@ def print_table(title: str, rows: List[dict], ratio_to: Optional[str]) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ds_q8.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1 << 25, help="parameters per optimizer (default 2^25)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median is reported)")

@@ -12,6 +12,7 @@ Environment:
 """
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from typing import Dict, Optional
@@ -23,6 +24,7 @@ from . import functional as F
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 _modules: Dict[str, object] = {}
+_PREBUILT = {"cpu": "_q8_cpu", "cuda": "_q8_cuda"}  # the op builders' names, as setup.py prebuilds them
 _lookups: Dict[tuple, tuple] = {}
 _warned: set = set()
 
@@ -41,14 +43,22 @@ def load_op(kind: str):
     """The compiled module for ``kind`` ("cpu" or "cuda"), or None (with one warning) if it cannot load."""
     if kind in _modules:
         return _modules[kind]
-    from .op_builder import ALL_BUILDERS
-
-    builder = ALL_BUILDERS[kind]()
     module = None
     try:
-        if not builder.is_compatible():
-            raise RuntimeError(builder.error_log)
-        module = builder.load()
+        module = importlib.import_module(f"ds_q8.{_PREBUILT[kind]}")  # built by setup.py: no DeepSpeed needed
+    except ImportError:
+        pass
+    try:
+        if module is None:
+            try:
+                from .op_builder import ALL_BUILDERS  # DeepSpeed's OpBuilder compiles the ops
+            except ImportError as exc:
+                raise RuntimeError(f"DeepSpeed, whose op builder compiles them, cannot be imported ({exc}); "
+                                   "pip install deepspeed (or ds_q8[train])") from None
+            builder = ALL_BUILDERS[kind]()
+            if not builder.is_compatible():
+                raise RuntimeError(builder.error_log)
+            module = builder.load()
     except Exception as exc:  # a failed build must not stop training: the reference is exact
         reason = " ".join(str(exc).split())[:500]
         _warn_once(f"load-{kind}", f"ds_q8: the {kind.upper()} kernels are unavailable ({reason}); using the "
@@ -140,7 +150,7 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
     for batch in batches.values():
         device = batch[0][0].device
         module = load_op(device.type)
-        if module is None or not hasattr(module, "step_many"):
+        if module is None:
             rest.extend(batch)
             continue
         if rule not in module.rules():
@@ -177,7 +187,7 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
     if not rule or not kernels_enabled():
         return list(items)
     module = load_op("cpu")
-    if module is None or not hasattr(module, "step_fp32_many") or rule not in module.rules():
+    if module is None or rule not in module.rules():
         return list(items)
     batches: Dict[tuple, tuple] = {}
     rest = []
@@ -211,10 +221,9 @@ def cpu_all_finite(tensors) -> Optional[bool]:
     if not tensors or not kernels_enabled():
         return None
     module = load_op("cpu")
-    check = getattr(module, "all_finite_or_unknown", None)  # None also for a module built before it existed
-    if check is None:
+    if module is None:
         return None
-    answer = check(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
+    answer = module.all_finite_or_unknown(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
     return None if answer < 0 else bool(answer)
 
 
@@ -257,7 +266,7 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Option
     F.check_block_size(block_size)
     code = F._check_code(code, codes.device)
     flat_codes, flat_absmax = codes.reshape(-1).contiguous(), absmax.reshape(-1).contiguous()
-    if out is not None and codes.device.type == "cpu" and getattr(module, "dequantize_into", None) is not None:
+    if out is not None and codes.device.type == "cpu":
         module.dequantize_into(cpu_isa(module), flat_codes, flat_absmax, code, block_size, out.view(-1))
         return out
     values = _call(module, "dequantize", codes, flat_codes, flat_absmax, code, block_size, dtype).view(codes.shape)

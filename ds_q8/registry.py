@@ -10,20 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from .optim import (Adagrad8bitBlock, Adam8bitBlock, AdamW8bitBlock, LAMB8bitBlock, LARS8bitBlock, Lion8bitBlock,
-                    Momentum8bitBlock, RMSprop8bitBlock)
+from . import optim
+from .optim.base import Optimizer8bitBlock
 
-#: DeepSpeed JSON ``"type"`` name -> optimizer class
-OPTIMIZERS = {
-    "Adam8bitBlock": Adam8bitBlock,
-    "AdamW8bitBlock": AdamW8bitBlock,
-    "Momentum8bitBlock": Momentum8bitBlock,
-    "RMSprop8bitBlock": RMSprop8bitBlock,
-    "Adagrad8bitBlock": Adagrad8bitBlock,
-    "LAMB8bitBlock": LAMB8bitBlock,
-    "LARS8bitBlock": LARS8bitBlock,
-    "Lion8bitBlock": Lion8bitBlock,
-}
+#: DeepSpeed JSON ``"type"`` name -> optimizer class: every optimizer ``ds_q8.optim`` exports
+OPTIMIZERS = {name: getattr(optim, name) for name in optim.__all__
+              if isinstance(getattr(optim, name), type) and issubclass(getattr(optim, name), Optimizer8bitBlock)
+              and getattr(optim, name) is not Optimizer8bitBlock}
 
 
 def register_with_deepspeed() -> bool:

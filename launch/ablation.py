@@ -16,17 +16,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import json
 import math
 import os
-import sysconfig
+import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 
 import ds_q8
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_data  # noqa: E402
+import gpt_models  # noqa: E402
 
 VOCAB = 256  # bytes
 UNIFORM_LOSS = math.log(VOCAB)
@@ -64,8 +67,8 @@ QUICK = Config(n_layer=1, n_embd=64, n_head=2, context=32, batch=8, steps=24, wa
 
 # ---------------------------------------------------------------- data
 def stdlib_files() -> List[str]:
-    """The standard library's top-level ``.py`` files, sorted by name."""
-    return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    """The standard library's top-level ``.py`` files, sorted by name (the trainer's default corpus)."""
+    return [str(p) for p in gpt_data.default_corpus_files()]
 
 
 def load_corpus(train_bytes: int, val_bytes: int):
@@ -83,17 +86,9 @@ def load_corpus(train_bytes: int, val_bytes: int):
 
 # ---------------------------------------------------------------- model
 def build_model(cfg: Config, stable_embedding: bool, seed: int):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=VOCAB, n_positions=cfg.context, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
-                        n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
-    model = GPT2LMHeadModel(config)
-    if stable_embedding:
-        model.transformer.wte = ds_q8.StableEmbedding(VOCAB, cfg.n_embd)
-        # GPT-2 ties the output projection to the token embedding: keep it tied to the new one
-        model.lm_head.weight = model.transformer.wte.weight
+    config = gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB, cfg.context)
+    model = gpt_models.build_model(config, stable_embedding)
     assert model.lm_head.weight is model.transformer.wte.weight
     return model
 

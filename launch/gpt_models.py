@@ -19,8 +19,6 @@ GPT2_CONTEXT = 1024
 
 def gpt2_config(model: str, vocab_size: int, context: int, n_layer: Optional[int] = None,
                 dropout: float = 0.0):
-    from transformers import GPT2Config
-
     if model not in SIZES:
         raise ValueError(f"--model must be one of {sorted(SIZES)}, got {model!r}")
     layers, heads, width = SIZES[model]
@@ -28,7 +26,14 @@ def gpt2_config(model: str, vocab_size: int, context: int, n_layer: Optional[int
         if n_layer < 1:
             raise ValueError(f"--n_layer must be >= 1, got {n_layer}")
         layers = n_layer
-    return GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=width, n_layer=layers, n_head=heads,
+    return gpt2_config_of(layers, heads, width, vocab_size, context, dropout)
+
+
+def gpt2_config_of(n_layer: int, n_head: int, n_embd: int, vocab_size: int, context: int, dropout: float = 0.0):
+    """A GPT-2 config of any shape, tied input and output embeddings, token 0 as BOS/EOS."""
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=vocab_size, n_positions=context, n_embd=n_embd, n_layer=n_layer, n_head=n_head,
                       resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
                       bos_token_id=0, eos_token_id=0, tie_word_embeddings=True)
 

@@ -55,14 +55,26 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once: not where the help already says it, nor for unset flags."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Train GPT-2 with DeepSpeed and 8-bit block-wise optimizers.")
+    ap = argparse.ArgumentParser(description="Train GPT-2 with DeepSpeed and 8-bit block-wise optimizers.",
+                                 formatter_class=_DefaultsHelp)
     ap.add_argument("--deepspeed_config", default=str(DEFAULT_CONFIG), help="DeepSpeed JSON config")
-    ap.add_argument("--model", default="tiny", choices=sorted(gpt_models.SIZES))
+    ap.add_argument("--model", default="tiny", choices=sorted(gpt_models.SIZES), help="GPT-2 size")
     ap.add_argument("--n_layer", type=positive_int, default=None, help="override the size's depth")
     ap.add_argument("--context", type=positive_int, default=None,
                     help="tokens per sequence (default 128 for tiny, 1024 for the GPT-2 sizes)")
-    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     ap.add_argument("--stable_embedding", action="store_true", help="ds_q8.StableEmbedding for the tokens")
     ap.add_argument("--data", default=None, help="text file or folder (default: Python's standard library)")
     ap.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: bytes, vocab 256)")
@@ -70,17 +82,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sequences per rank per micro-step (overrides train_micro_batch_size_per_gpu)")
     ap.add_argument("--grad_accum", type=positive_int, default=None,
                     help="micro-steps per optimizer step (overrides gradient_accumulation_steps)")
-    ap.add_argument("--max_steps", type=positive_int, default=200)
+    ap.add_argument("--max_steps", type=positive_int, default=200, help="optimizer steps")
     ap.add_argument("--lr", type=float, default=None, help="peak learning rate (overrides the config)")
     ap.add_argument("--eval_interval", type=non_negative_int, default=50, help="0: evaluate at the end only")
-    ap.add_argument("--eval_batches", type=positive_int, default=8)
-    ap.add_argument("--save_dir", default=str(REPO / "out" / "tiny-8bit"))
+    ap.add_argument("--eval_batches", type=positive_int, default=8, help="validation batches per evaluation")
+    ap.add_argument("--save_dir", default=str(REPO / "out" / "tiny-8bit"),
+                    help="checkpoints, metrics.jsonl and summary.json")
     ap.add_argument("--save_interval", type=non_negative_int, default=100, help="0: save at the end only")
     ap.add_argument("--stop_at", type=positive_int, default=None,
                     help="stop after this step as if interrupted; the schedule still spans --max_steps")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="discard an earlier run's checkpoints in save_dir")
-    ap.add_argument("--seed", type=non_negative_int, default=1234)
+    ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
     ap.add_argument("--master_port", type=positive_int, default=None, help="rendezvous port (one rank / MPI)")
@@ -168,6 +181,22 @@ def evaluate(engine, val, args, mbs, rank, world, device) -> float:
     return total / count
 
 
+def announce_deepspeed_builds(cfg: dict) -> None:
+    """A line before each DeepSpeed op a first run compiles (DeepSpeed says so only when done)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the CPU ops below are for CPU runs
+    from deepspeed.ops.op_builder.cpu import FusedAdamBuilder, ShareMemCommBuilder
+    from ds_q8.op_builder.notice import announce_deepspeed_op
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        announce_deepspeed_op(ShareMemCommBuilder, "DeepSpeed's CPU communication op", "about two minutes")
+    opt = cfg.get("optimizer", {})
+    if opt.get("type") in ("Adam", "AdamW") and not opt.get("params", {}).get("torch_adam", False):
+        announce_deepspeed_op(FusedAdamBuilder, "DeepSpeed's CPU Adam op", "about a minute")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_ds_config(args)
@@ -177,8 +206,11 @@ def main(argv=None) -> dict:
 
     import deepspeed
     import ds_q8  # registers Adam8bitBlock & co. as DeepSpeed optimizer types
+    from ds_q8.integration.noise import quiet
     from tqdm import tqdm
 
+    quiet()  # warnings DeepSpeed prints on every run (ds_q8/integration/noise.py says which)
+    announce_deepspeed_builds(cfg)
     dist_setup.init(args.master_port, args.dist_timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
@@ -198,6 +230,7 @@ def main(argv=None) -> dict:
     groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     device = engine.device
+    ds_q8.ops.load_op(torch.device(device).type)  # a first run compiles the kernels here, before the progress bar
     mbs = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * args.context

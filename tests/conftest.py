@@ -1,7 +1,27 @@
+import importlib.util
 import os
 
-import pytest
-import torch
+
+def _find_cuda_home():
+    """ds_q8's toolkit finder, loaded by path: importing ds_q8 would import torch's extension builder,
+    which guesses (and warns about) CUDA_HOME the moment it is imported."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ds_q8", "op_builder",
+                        "toolkit.py")
+    spec = importlib.util.spec_from_file_location("_ds_q8_toolkit", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.find_cuda_home()
+
+
+if _find_cuda_home():
+    os.environ.setdefault("CUDA_HOME", _find_cuda_home())  # inherited by every job the tests start
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from ds_q8.integration.noise import quiet  # noqa: E402
+
+quiet()
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,7 @@ def test_stable_embedding_replaces_wte_and_stays_tied():
     assert opt.state[plain.transformer.wte.weight]["state1"].dtype == torch.uint8
 
 
+@pytest.mark.slow
 def test_quick_ablation_writes_table_plot_and_runs(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(LAUNCH), os.environ.get("PYTHONPATH", "")]))

@@ -21,6 +21,8 @@ from train_helpers import LAUNCH, REPO, env, metrics, summary, train
 
 import checkpointing
 
+pytestmark = pytest.mark.slow
+
 SMALL = ["--micro_batch", "4", "--context", "64", "--eval_batches", "2"]
 STEPS = ["--max_steps", "6", "--eval_interval", "3", "--save_interval", "2", "--seed", "5"]
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -11,6 +11,8 @@ from ds_q8.op_builder import Q8CUDABuilder
 
 from test_kernels import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
 
+pytestmark = pytest.mark.slow
+
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
@@ -42,6 +44,8 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
                                    "lars", "lion"}
     lookup = module.build_lookup(F.create_dynamic_map(True))
     assert lookup.dtype == torch.int32 and lookup.numel() == 0xC000 - 0x3FFF + 1
+    assert module.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
+                               "max_states": F.MAX_STATES}
 
 
 @needs_gpu

@@ -18,6 +18,8 @@ from ds_launch import config, launch, run_checked  # noqa: E402
 
 import ds_q8  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 SAVE_AT, MORE = 3, 3
 UNIVERSAL = {"checkpoint": {"load_universal": True}}
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}

@@ -3,8 +3,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
+
+pytestmark = pytest.mark.multirank
 
 
 def test_hf_trainer_trains_tiny_gpt2_with_adam8bitblock(tmp_path):

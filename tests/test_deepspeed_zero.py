@@ -11,6 +11,8 @@ from ds_launch import config, launch  # noqa: E402
 
 from ds_q8.memory import estimate_state_bytes  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 STEPS = 5
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 VARIANTS = {  # name -> (stage, extra config)

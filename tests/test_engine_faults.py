@@ -23,6 +23,8 @@ from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
 import ds_q8  # noqa: E402
 from ds_q8.integration.checkpoint_files import CorruptCheckpointError, verify_file  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 
 def trained(steps=3):
     torch.manual_seed(0)

@@ -99,6 +99,7 @@ def test_typical_state_values_match_the_reference(name):
     assert torch.equal(got[0], want[0])
 
 
+@pytest.mark.slow
 def test_environment_switch_forces_the_table():
     import os
     import subprocess

@@ -186,6 +186,13 @@ def test_lion_sign_of_zero(isa):
     assert_same_run(kernel, reference)
 
 
+def test_limits_are_shared_with_python(cpu_op):
+    """Block-size bounds and the number of states: one value in C++ (q8_common.h), the same in Python."""
+    assert cpu_op.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
+                               "max_states": F.MAX_STATES}
+    assert all(len(cls.state_signed) <= F.MAX_STATES for cls in ds_q8.OPTIMIZERS.values())
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     """The optimizers really reach the compiled step (not the reference) for 8-bit CPU state."""

@@ -71,6 +71,7 @@ def test_cli_prints_table_and_writes_json(tmp_path, capsys):
     assert rows[1]["bytes_8bit"] < rows[0]["bytes_8bit"]
 
 
+@pytest.mark.slow
 def test_cli_runs_as_module_and_rejects_bad_input():
     env = {"PYTHONPATH": str(REPO)}
     ok = subprocess.run([sys.executable, "-m", "ds_q8.memory", "--params", "1e6", "--stage", "3"],

@@ -10,6 +10,8 @@ from ds_launch import config, launch  # noqa: E402
 
 from ds_q8.memory import LADDER, gpt2_param_groups, ladder_table, predict_model_states  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 BF16 = {"enabled": True}
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
 RUNGS = {  # rung -> DeepSpeed config of the tiny model

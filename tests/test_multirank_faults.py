@@ -26,6 +26,8 @@ from train_helpers import LAUNCH, REPO, env
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import free_port  # noqa: E402
 
+pytestmark = pytest.mark.multirank
+
 RUN = ["--no_progress", "--micro_batch", "4", "--context", "64", "--eval_batches", "2", "--max_steps", "40",
        "--eval_interval", "0", "--save_interval", "0"]
 # a dead peer is noticed by the next collective (seen: well under a second); the slack covers a

@@ -301,6 +301,7 @@ def test_registered_for_deepspeed_json(name):
     assert isinstance(opt, ds_q8.Optimizer8bitBlock)
 
 
+@pytest.mark.slow
 def test_deepspeed_zero_steps_trust_ratio_rules():
     """Under real ZeRO partitions LAMB/LARS know each parameter's boundaries and step."""
     import os

@@ -12,6 +12,7 @@ from ds_q8 import ops, soak
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_soak_command_writes_json_and_passes(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "-m", "ds_q8.soak", "--steps", "120", "--warmup", "20", "--every", "40",

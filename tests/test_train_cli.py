@@ -162,6 +162,7 @@ def test_memory_plan_matches_the_zero2_formula():
         memory_plan.optimizer_bytes_per_param(16)
 
 
+@pytest.mark.slow
 def test_memory_plan_printout_counts_gpt2_xl_on_the_meta_device():
     out = run(["python", LAUNCH / "memory_plan.py"], timeout=120).stdout
     assert "1,557,611,200 = 1.5576e9 params" in out

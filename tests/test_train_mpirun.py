@@ -10,6 +10,8 @@ import pytest
 
 from train_helpers import LAUNCH, metrics, run, summary
 
+pytestmark = pytest.mark.multirank
+
 ARGS = ["--max_steps", "3", "--eval_interval", "0", "--micro_batch", "4", "--context", "64", "--eval_batches", "2",
         "--stable_embedding", "--no_progress", "--seed", "5"]
 

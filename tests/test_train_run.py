@@ -8,6 +8,8 @@ import pytest
 
 from train_helpers import LAUNCH, metrics, run, summary, train
 
+pytestmark = pytest.mark.slow
+
 # short sequences keep each run to a few seconds of compute; the rest is process start-up
 SMALL = ["--micro_batch", "4", "--context", "64", "--eval_batches", "2"]
 STEPS = ["--max_steps", "6", "--eval_interval", "3", "--save_interval", "3", "--seed", "11"]

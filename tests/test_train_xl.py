@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from train_helpers import CONFIGS, metrics, summary, train
+
+pytestmark = pytest.mark.slow
 
 
 def test_gpt2_xl_reduced_depth_zero2_bf16_steps(tmp_path):

@@ -91,6 +91,10 @@ def _shard_rank(engine) -> int:
 
 
 def _check_engine_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
+    from .universal import _wrapped_ds_q8_optimizer
+
+    if _wrapped_ds_q8_optimizer(engine) is None:
+        return  # an engine without a ds_q8 optimizer loads as DeepSpeed alone would
     check_before_load(load_dir, tag, _shard_rank(engine))
 
 

@@ -5,6 +5,7 @@
   which never holds for an op built by another package. ``load()`` here imports the module that
   ``setup.py`` prebuilt (``ds_q8._q8_cpu`` / ``ds_q8._q8_cuda``) first and JIT-compiles otherwise.
 """
+import glob
 import importlib
 import os
 
@@ -26,6 +27,9 @@ class PrebuiltFirstMixin:
     def include_paths(self):
         return [csrc("includes")]
 
+    #: the op in the notice printed before a first (JIT) build, and how long that takes
+    DESCRIPTION = ("ds_q8 kernels", "about a minute")
+
     def load(self, verbose=False):
         cache = OpBuilder._loaded_ops
         if self.name in cache:
@@ -33,6 +37,10 @@ class PrebuiltFirstMixin:
         try:
             module = importlib.import_module(self.absolute_name())
         except ImportError:
+            from .notice import announce
+
+            headers = glob.glob(csrc("**", "*.h"), recursive=True)
+            announce(self.name, list(self.sources()) + headers, *self.DESCRIPTION)
             module = self.jit_load(verbose)
         cache[self.name] = module
         return module

@@ -8,6 +8,7 @@ from .common import PrebuiltFirstMixin, csrc
 
 class Q8CPUBuilder(PrebuiltFirstMixin, OpBuilder):
     NAME = "_q8_cpu"
+    DESCRIPTION = ("ds_q8 CPU kernels", "about a minute")
 
     def __init__(self):
         super().__init__(name=self.NAME)

@@ -1,17 +1,35 @@
 """Builder of the CUDA op: fused block-wise 8-bit steps and (de)quantization kernels."""
 import os
 import shutil
+from typing import Optional
 
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
 from .common import PrebuiltFirstMixin, csrc
+from .toolkit import find_cuda_home
+
+
+def use_cuda_home() -> Optional[str]:
+    """Point torch's extension builder (and DeepSpeed's, which asks torch) at :func:`find_cuda_home`.
+
+    torch reads CUDA_HOME once, when ``torch.utils.cpp_extension`` is imported; its guess is replaced
+    here, before any build."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    home = find_cuda_home()
+    if home:
+        cpp_extension.CUDA_HOME = home
+        os.environ.setdefault("CUDA_HOME", home)
+    return home
 
 
 class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
     NAME = "_q8_cuda"
+    DESCRIPTION = ("ds_q8 CUDA kernels", "a few minutes")
 
     def __init__(self):
+        use_cuda_home()
         super().__init__(name=self.NAME)
 
     def sources(self):

@@ -107,16 +107,17 @@ struct StepMaps {
     const FastMap* fast[2];
 };
 
-StepMaps step_maps(const std::vector<torch::Tensor>& codes, const std::vector<torch::Tensor>& lookups) {
-    const size_t k = codes.size();
-    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && lookups.size() == k, "codes and lookups must be lists of the same length 1 or 2");
+StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<torch::Tensor>& lookups) {
+    const size_t k = maps.size();
+    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && lookups.size() == k,
+                      "maps and lookups must be lists of the same length 1 or 2");
     StepMaps m{};
     m.k = k;
     for (size_t i = 0; i < k; ++i) {
-        check_map(codes[i], lookups[i]);
-        m.code[i] = codes[i].data_ptr<float>();
+        check_map(maps[i], lookups[i]);
+        m.code[i] = maps[i].data_ptr<float>();
         m.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
-        m.fast[i] = fast_map_for(codes[i]);
+        m.fast[i] = fast_map_for(maps[i]);
     }
     return m;
 }
@@ -160,7 +161,7 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
     const size_t k = maps.k;
     StepArgs a = tensor_args(rule, param, grad, k, block_size, hp);
     TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k,
-                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
+                      "states, absmax, maps and lookups must be lists of the same length 1 or 2");
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], a.numel, block_size, "state");
         a.codes[i] = states[i].data_ptr<uint8_t>();
@@ -195,13 +196,13 @@ void run_step(const std::string& isa, const std::string& rule, const std::vector
 }
 
 void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
-          std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes,
+          std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps,
           std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
           const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
     check_isa(isa);
     check_block_size(block_size);
     const auto hp = hyper_params(hyper);
-    std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(codes, lookups), block_size, hp)};
+    std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(maps, lookups), block_size, hp)};
     set_rounding(args[0], sr_keys, sr_index, 0, 1);
     if (args[0].numel == 0) args.clear();
     run_step(isa, rule, args, param, grad);
@@ -212,7 +213,7 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
 // Everything is checked before anything is written.
 void step_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
                std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
-               std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> codes,
+               std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
                const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
     check_isa(isa);
@@ -222,11 +223,11 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
     const auto hp = hyper_params(hyper);
-    const StepMaps maps = step_maps(codes, lookups);
+    const StepMaps step_map = step_maps(maps, lookups);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
-        StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], maps, block_size, hp);
+        StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], step_map, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
         set_rounding(a, sr_keys, sr_index, t, n);
         if (a.numel > 0) args.push_back(a);
@@ -252,7 +253,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
     for (size_t t = 0; t < n; ++t) {
         const torch::Tensor& param = params[t];
         const size_t k = states[t].size();
-        TORCH_CHECK_VALUE(k >= 1 && k <= 2 && k == states[0].size(), "every tensor needs the same 1 or 2 states, ",
+        TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && k == states[0].size(), "every tensor needs the same 1 or 2 states, ",
                           "tensor ", t, " has ", k);
         StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
         check_same_dtypes(params, grads, t, "step_fp32_many");
@@ -413,6 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("supported_isas", &ds_q8::supported_isas, "instruction sets this CPU can run, best first");
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
+    m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place");
     m.def("step_fp32_many", &ds_q8::step_fp32_many,

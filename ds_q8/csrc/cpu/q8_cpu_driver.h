@@ -30,7 +30,7 @@
 namespace ds_q8 {
 namespace {
 
-constexpr int kMaxBlock = 4096;
+constexpr int kMaxBlock = (int)Q8_MAX_BLOCK;
 
 inline int64_t q8_min(int64_t a, int64_t b) { return a < b ? a : b; }
 

@@ -36,7 +36,7 @@ void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_
 }
 
 void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std::vector<torch::Tensor>& states,
-                const std::vector<torch::Tensor>& absmax, const std::vector<torch::Tensor>& codes,
+                const std::vector<torch::Tensor>& absmax, const std::vector<torch::Tensor>& maps,
                 const std::vector<torch::Tensor>& lookups, int64_t block_size) {
     const auto device = param.device();
     check_cuda(param, "param", device);
@@ -44,11 +44,11 @@ void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std
     TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
                       param.numel());
     const size_t k = states.size();
-    TORCH_CHECK_VALUE(k >= 1 && k <= 2 && absmax.size() == k && codes.size() == k && lookups.size() == k,
-                      "states, absmax, codes and lookups must be lists of the same length 1 or 2");
+    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && absmax.size() == k && maps.size() == k && lookups.size() == k,
+                      "states, absmax, maps and lookups must be lists of the same length 1 or 2");
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], param.numel(), block_size, device);
-        check_map(codes[i], &lookups[i], device);
+        check_map(maps[i], &lookups[i], device);
     }
 }
 
@@ -61,12 +61,12 @@ void set_rounding(StepTensors& s, const std::vector<int64_t>& sr_keys, const std
 }
 
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
-          std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups,
+          std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups,
           int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
           const std::vector<int64_t>& sr_index) {
     check_block_size(block_size);
-    check_step(param, grad, states, absmax, codes, lookups, block_size);
-    StepTensors s{rule, param, grad, states, absmax, codes, lookups, block_size};
+    check_step(param, grad, states, absmax, maps, lookups, block_size);
+    StepTensors s{rule, param, grad, states, absmax, maps, lookups, block_size};
     set_rounding(s, sr_keys, sr_index, 0, 1);
     cuda_step(s, hyper);
 }
@@ -75,7 +75,7 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
 // then launched back to back on the current stream from C++ (no per-tensor Python work).
 void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
-               std::vector<torch::Tensor> codes, std::vector<torch::Tensor> lookups, int64_t block_size,
+               std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups, int64_t block_size,
                const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
                const std::vector<int64_t>& sr_index) {
     check_block_size(block_size);
@@ -84,13 +84,13 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
     for (size_t t = 0; t < n; ++t) {
-        check_step(params[t], grads[t], states[t], absmax[t], codes, lookups, block_size);
+        check_step(params[t], grads[t], states[t], absmax[t], maps, lookups, block_size);
         // one dtype pair, so that a pair without a kernel fails on the first tensor, before any launch
         binding::check_same_dtypes(params, grads, t, "step_many");
     }
     std::vector<StepTensors> calls;
     for (size_t t = 0; t < n; ++t) {
-        StepTensors s{rule, params[t], grads[t], states[t], absmax[t], codes, lookups, block_size};
+        StepTensors s{rule, params[t], grads[t], states[t], absmax[t], maps, lookups, block_size};
         set_rounding(s, sr_keys, sr_index, t, n);  // checked for every tensor before any launch
         calls.push_back(s);
     }
@@ -105,7 +105,7 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor&
     check_map(code, &lookup, x.device());
     auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
     auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kFloat32));
-    cuda_quantize(x, codes, absmax, code, lookup, block_size);
+    cuda_quantize(x, codes, absmax, lookup, block_size);
     return {codes, absmax};
 }
 
@@ -126,6 +126,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
+    m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors from one call, in place");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");

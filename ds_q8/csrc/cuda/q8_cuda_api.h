@@ -13,7 +13,7 @@ namespace ds_q8 {
 struct StepTensors {
     std::string rule;
     at::Tensor param, grad;
-    std::vector<at::Tensor> states, absmax, codes, lookups;
+    std::vector<at::Tensor> states, absmax, maps, lookups;  // codes and block maxima per state; 256-entry maps
     int64_t block_size;
     bool stochastic;    // 16-bit params: write them with stochastic rounding (q8_store_sr)
     uint32_t sr_key;    // the hash key of this tensor's random bits
@@ -21,8 +21,9 @@ struct StepTensors {
 };
 
 void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);
-void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& code,
-                   const at::Tensor& lookup, int64_t block_size);
+// the map itself is not needed: the lookup table (built from it) gives each value's nearest entry
+void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
+                   int64_t block_size);
 void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code, at::Tensor& out,
                      int64_t block_size);
 

@@ -199,10 +199,8 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
 // ------------------------------------------------------------------ (de)quantize
 template <class T>
 __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ absmax,
-                                const float* __restrict__ code, const uint32_t* __restrict__ lookup, int64_t numel,
-                                int block_size, int Tq, bool vec) {
+                                const uint32_t* __restrict__ lookup, int64_t numel, int block_size, int Tq, bool vec) {
     __shared__ float red[1024 / 32];
-    (void)code;
     const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / Tq) + threadIdx.x / Tq;
     const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % Tq) * kElems;
     const int64_t nb = (numel + block_size - 1) / block_size;
@@ -252,7 +250,7 @@ void launch_step(const StepTensors& t, const Rule& rule) {
     for (int k = 0; k < K; ++k) {
         st.codes[k] = t.states[k].data_ptr<uint8_t>();
         st.absmax[k] = t.absmax[k].data_ptr<float>();
-        st.code[k] = t.codes[k].data_ptr<float>();
+        st.code[k] = t.maps[k].data_ptr<float>();
         st.lookup[k] = reinterpret_cast<const uint32_t*>(t.lookups[k].data_ptr<int32_t>());
         vec = vec && aligned(st.codes[k], 8);
     }
@@ -298,8 +296,8 @@ void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper)
     TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", t.rule, "'");
 }
 
-void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& code,
-                   const at::Tensor& lookup, int64_t block_size) {
+void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
+                   int64_t block_size) {
     const int64_t n = x.numel();
     if (n == 0) return;
     const c10::cuda::CUDAGuard guard(x.device());
@@ -309,8 +307,8 @@ void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, c
     const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
     quantize_kernel<T><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(                                      \
-        reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),      \
-        code.data_ptr<float>(), lk, n, (int)block_size, geo.threads_per_qblock, vec)
+        reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), lk, n, \
+        (int)block_size, geo.threads_per_qblock, vec)
     switch (x.scalar_type()) {
         case at::kFloat: Q8_QUANTIZE(float); break;
         case at::kHalf: Q8_QUANTIZE(q8_half); break;

@@ -2,6 +2,7 @@
 // list of fused update rules, and the lookup-table builder. Host code; include after torch.
 #pragma once
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -11,8 +12,8 @@ namespace ds_q8 {
 namespace binding {
 
 inline void check_block_size(int64_t block_size) {
-    TORCH_CHECK_VALUE(block_size >= 64 && block_size <= 4096 && (block_size & (block_size - 1)) == 0,
-                      "block_size must be a power of two in [64, 4096], got ", block_size);
+    TORCH_CHECK_VALUE(block_size >= Q8_MIN_BLOCK && block_size <= Q8_MAX_BLOCK && (block_size & (block_size - 1)) == 0,
+                      "block_size must be a power of two in [", Q8_MIN_BLOCK, ", ", Q8_MAX_BLOCK, "], got ", block_size);
 }
 
 inline void check_code(const torch::Tensor& code) {
@@ -79,6 +80,11 @@ inline bool check_rounding(const std::vector<int64_t>& sr_keys, const std::vecto
         TORCH_CHECK_VALUE(sr_index[t] >= 0, "sr_index must be >= 0, got ", sr_index[t]);
     }
     return true;
+}
+
+// The limits shared with Python (see q8_common.h).
+inline std::map<std::string, int64_t> limits() {
+    return {{"min_block_size", Q8_MIN_BLOCK}, {"max_block_size", Q8_MAX_BLOCK}, {"max_states", Q8_MAX_STATES}};
 }
 
 }  // namespace binding

@@ -78,6 +78,13 @@ Q8_HD float q8_float(uint32_t u) {
 #endif
 }
 
+// ------------------------------------------------------------------ limits
+// Shared with Python (ds_q8/functional.py MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, MAX_STATES): both ops
+// return them from limits(), and tests/test_kernels.py and tests/test_cuda_build.py tie the two.
+constexpr int64_t Q8_MIN_BLOCK = 64;
+constexpr int64_t Q8_MAX_BLOCK = 4096;
+constexpr int Q8_MAX_STATES = 2;
+
 // ------------------------------------------------------------------ fp16 / bf16
 // Round to nearest even, like torch's conversions (NaN becomes a quiet NaN).
 Q8_HD uint16_t q8_bf16_from_float(float f) {
