@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 import checkpointing
 import dist_setup
-import faults
 import gpt_data
 import gpt_models
 from metrics_log import MetricsLog
@@ -276,7 +275,6 @@ def main(argv=None) -> dict:
             engine.backward(loss)
             engine.step()
             loss_sum += loss.item()
-        faults.at("step", step + 1, rank)
         (loss_sum,) = all_reduce_sum([loss_sum / gas], device)
         dt = time.perf_counter() - t0
         step_times.append(dt)
@@ -292,11 +290,9 @@ def main(argv=None) -> dict:
             if "eval_loss" in record:
                 bar.write(f"step {done}: eval loss {eval_loss:.4f} (ppl {record['eval_ppl']:.2f})")
         if last or done == end_step or (args.save_interval and done % args.save_interval == 0):
-            faults.arm_mid_save(engine, done, rank)
             engine.save_checkpoint(args.save_dir, tag=checkpointing.tag_for(done),
                                    client_state=dict(step=done, seed=args.seed))
             checkpointing.flush(args.save_dir, done)
-            faults.at("save", done, rank)
             dist_setup.barrier()  # every rank's files are on disk before the marker says so
             if rank == 0:
                 checkpointing.mark_complete(args.save_dir, done, dict(seed=args.seed, world_size=world))

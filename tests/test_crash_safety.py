@@ -2,7 +2,8 @@
 steps since its last complete checkpoint: ``--resume`` continues from there and on CPU ends with
 exactly the weights and losses of a run that was never interrupted.
 
-The kills come from ``DS_Q8_FAULT`` (launch/faults.py: the process SIGKILLs itself at a named point,
+The kills come from ``DS_Q8_FAULT`` (tests/ds_scripts/faults.py, hooked into the trainer by
+faulty_train.py: the process SIGKILLs itself at a named point,
 e.g. half-way through writing a checkpoint file) and, for a moment no hook chooses, from the test
 itself: it kills the process as soon as the new checkpoint folder appears.
 """
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import checkpointing
 
 pytestmark = pytest.mark.slow
 
+FAULTY_TRAIN = Path(__file__).resolve().parent / "ds_scripts" / "faulty_train.py"
 SMALL = ["--micro_batch", "4", "--context", "64", "--eval_batches", "2"]
 STEPS = ["--max_steps", "6", "--eval_interval", "3", "--save_interval", "2", "--seed", "5"]
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -30,7 +33,7 @@ OPTIM_FILE = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 
 
 def killed_run(save_dir, fault):
-    proc = subprocess.run([sys.executable, str(LAUNCH / "train_gpt.py"), "--save_dir", str(save_dir),
+    proc = subprocess.run([sys.executable, str(FAULTY_TRAIN), "--save_dir", str(save_dir),
                            "--no_progress", *SMALL, *STEPS], cwd=REPO, env=env(2, {"DS_Q8_FAULT": fault}),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

@@ -7,7 +7,7 @@
 * under the ``deepspeed`` launcher and under ``mpiexec`` the launcher notices the dead rank, kills
   the rest and exits non-zero, leaving no process behind.
 
-Faults come from ``DS_Q8_FAULT`` (launch/faults.py).
+Faults come from ``DS_Q8_FAULT`` (tests/ds_scripts/faults.py, hooked into the trainer by faulty_train.py).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import LAUNCH, REPO, env
+from train_helpers import REPO, env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import free_port  # noqa: E402
@@ -36,7 +36,8 @@ NOTICE_S = 30
 
 
 def script(save_dir, *extra):
-    return [str(LAUNCH / "train_gpt.py"), "--save_dir", str(save_dir), *RUN, *extra]
+    return [str(Path(__file__).resolve().parent / "ds_scripts" / "faulty_train.py"), "--save_dir", str(save_dir),
+            *RUN, *extra]
 
 
 def trainer(save_dir, *extra):

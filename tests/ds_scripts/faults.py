@@ -1,4 +1,5 @@
-"""Test-only fault injection for the trainer, driven by the ``DS_Q8_FAULT`` environment variable.
+"""Fault injection for the trainer, driven by the ``DS_Q8_FAULT`` environment variable (tests only:
+``faulty_train.py`` hooks it into ``launch/train_gpt.py`` from outside).
 
 Crash-safety and rank-death tests need a process to die at a chosen moment, including inside a
 checkpoint write, which an outside ``kill`` can only hit by chance. ``DS_Q8_FAULT`` holds
@@ -11,7 +12,7 @@ checkpoint write, which an outside ``kill`` can only hit by chance. ``DS_Q8_FAUL
   at STEP is being written: its first file is cut to half its length, then the action fires.
 * RANK: only this rank acts (default: every rank).
 
-Unset (always, outside tests) it costs one dictionary lookup per call.
+Unset it does nothing.
 """
 from __future__ import annotations
 
