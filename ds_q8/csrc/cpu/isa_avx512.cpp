@@ -263,6 +263,7 @@ struct Avx512 {
 
 Q8_DEFINE_ISA(avx512, Avx512)
 
+#ifdef Q8_PROBES  // tests/csrc/q8_probe.cpp only
 namespace ds_q8 {
 // Every float in [-limit, limit] through the segment search, against the lookup table.
 int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads) {
@@ -288,5 +289,6 @@ int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, 
     return bad;
 }
 }  // namespace ds_q8
+#endif
 
 #pragma GCC pop_options

@@ -63,13 +63,8 @@ void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
 }
 
 // The segment tables of a map (q8_fastmap.h), built once per distinct map and kept for the life of
-// the process; null when the map has no such structure or DS_Q8_FAST_SEARCH=0.
+// the process; null when the map has no such structure.
 const FastMap* fast_map_for(const torch::Tensor& code) {
-    static const bool enabled = [] {
-        const char* v = std::getenv("DS_Q8_FAST_SEARCH");
-        return !(v && std::string(v) == "0");
-    }();
-    if (!enabled) return nullptr;
     struct Entry {
         std::array<uint32_t, 256> bits;
         bool ok;
@@ -388,24 +383,6 @@ bool all_finite(const std::vector<torch::Tensor>& tensors) { return finite_check
 // tensors are looked at once, here, and not also in Python.
 int all_finite_or_unknown(const std::vector<torch::Tensor>& tensors) { return finite_check(tensors, true); }
 
-// Whether the AVX-512 driver searches this map without the lookup table (q8_fastmap.h).
-bool fast_search(const torch::Tensor& code) {
-    check_cpu_contiguous(code, "code");
-    binding::check_code(code);
-    return fast_map_for(code) != nullptr;
-}
-
-// Exhaustive check of that search (every float in [-limit, limit]); -1 when it does not apply.
-int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& lookup, double limit) {
-    check_map(code, lookup);
-    const FastMap* m = fast_map_for(code);
-    const auto isas = supported_isas();
-    if (!m || isas.empty() || isas[0] != "avx512") return -1;
-    TORCH_CHECK_VALUE(limit >= 0.0 && limit < 2.0, "limit must be in [0, 2), got ", limit);
-    return fast_search_mismatches_avx512(reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), *m,
-                                         (float)limit, at::get_num_threads());
-}
-
 }  // namespace
 }  // namespace ds_q8
 
@@ -422,9 +399,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
     m.def("all_finite_or_unknown", &ds_q8::all_finite_or_unknown,
           "1 when no tensor holds NaN or Inf, 0 when one does, -1 when one is not a contiguous float CPU tensor");
-    m.def("fast_search", &ds_q8::fast_search, "True when the AVX-512 step searches this map without the table");
-    m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
-          "segment search vs lookup table over every float in [-limit, limit]; -1 when it does not apply");
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
     m.def("dequantize_into", &ds_q8::dequantize_into, "block-wise dequantize into a given tensor");

@@ -67,8 +67,9 @@ Q8_DECLARE_ISA(avx512)
 Q8_DECLARE_ISA(avx2)
 Q8_DECLARE_ISA(scalar)
 
-// Test hook of the AVX-512 segment search: mismatches against the lookup table over every float in
-// [-limit, limit] (scaled values, so limit is a little above 1).
+// Test probe of the AVX-512 segment search, compiled with Q8_PROBES only (tests/csrc/q8_probe.cpp):
+// mismatches against the lookup table over every float in [-limit, limit] (scaled values, so limit
+// is a little above 1).
 int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads);
 
 }  // namespace ds_q8
