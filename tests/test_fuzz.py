@@ -2,8 +2,9 @@
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-import ds_q8
 from ds_q8 import functional as F
+
+from optimizer_cases import kernel_cases
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -66,11 +67,9 @@ def test_quantize_roundtrip_is_finite_and_bounded(x, bs, signed):
 
 # Adam's L2 decay is left out: on weights near float32's max, (wd * p)**2 overflows in fp32 math
 # itself (torch.optim.Adam gives inf there too), which is no property of the 8-bit format.
-OPTIMIZERS = [
-    (ds_q8.Adam8bitBlock, dict(lr=1e-3)),
-    (ds_q8.AdamW8bitBlock, dict(lr=1e-3)),
-    (ds_q8.Momentum8bitBlock, dict(lr=1e-3, momentum=0.9, nesterov=True)),
-]
+# without Adam's L2 decay, which adds weight_decay * p to gradients that are bounded to keep grad**2 finite
+OPTIMIZERS = [(cls, {**kw, "weight_decay": 0.0} if name == "adam" else kw)
+              for name, (cls, kw) in kernel_cases().items() if name in ("adam", "adamw", "nesterov")]
 
 
 @SETTINGS

@@ -17,6 +17,8 @@ from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 from ds_q8.optim.base import get_map
 
+from optimizer_cases import kernel_cases
+
 
 @pytest.fixture(scope="module")
 def cpu_op():
@@ -32,21 +34,7 @@ def isas():
 
 ISAS = isas()
 
-RULES = {
-    "adam": (ds_q8.Adam8bitBlock, dict(lr=1e-2, weight_decay=1e-2)),
-    "adamw": (ds_q8.AdamW8bitBlock, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6)),
-    "momentum": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
-    "nesterov": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.9, nesterov=True)),
-    "dampening": (ds_q8.Momentum8bitBlock, dict(lr=1e-2, momentum=0.8, dampening=0.3)),
-    "rmsprop": (ds_q8.RMSprop8bitBlock, dict(lr=1e-2, weight_decay=1e-3)),
-    "rmsprop_momentum": (ds_q8.RMSprop8bitBlock, dict(lr=1e-2, alpha=0.9, momentum=0.9)),
-    "adagrad": (ds_q8.Adagrad8bitBlock, dict(lr=1e-2, lr_decay=1e-2, weight_decay=1e-3,
-                                             initial_accumulator_value=0.1)),
-    "lamb": (ds_q8.LAMB8bitBlock, dict(lr=1e-2, weight_decay=1e-2)),
-    "lamb_no_decay": (ds_q8.LAMB8bitBlock, dict(lr=1e-2, betas=(0.8, 0.99))),
-    "lars": (ds_q8.LARS8bitBlock, dict(lr=1e-1, momentum=0.9, weight_decay=1e-4)),
-    "lion": (ds_q8.Lion8bitBlock, dict(lr=1e-3, weight_decay=1e-2)),
-}
+RULES = kernel_cases()
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 

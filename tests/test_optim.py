@@ -9,13 +9,9 @@ from torch import nn
 import ds_q8
 from ds_q8 import functional as F
 
-CASES = {
-    "adam": (ds_q8.Adam8bitBlock, torch.optim.Adam, dict(lr=1e-3, weight_decay=1e-2)),
-    "adamw": (ds_q8.AdamW8bitBlock, torch.optim.AdamW, dict(lr=1e-3, weight_decay=1e-1)),
-    "momentum": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
-    "nesterov": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
-    "dampening": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.8, dampening=0.3)),
-}
+from optimizer_cases import CASES as ALL_CASES
+
+CASES = {name: ALL_CASES[name] for name in ("adam", "adamw", "momentum", "nesterov", "dampening")}
 
 
 def run_pair(name, optim_bits, steps, shape=(96, 130), seed=0, dtype=torch.float32, **extra):

@@ -15,77 +15,14 @@ import torch
 import ds_q8
 from ds_q8.optim import stepping
 
+from optimizer_cases import CASES as ALL_CASES
+
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-# ---------------------------------------------------------------- plain fp32 references
-class RefLion(torch.optim.Optimizer):
-    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-                p.mul_(1 - g["lr"] * g["weight_decay"])
-                p.add_(torch.sign(b1 * m + (1 - b1) * p.grad), alpha=-g["lr"])
-                m.lerp_(p.grad, 1 - b2)
-
-
-class RefLAMB(torch.optim.Optimizer):
-    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                st = self.state[p]
-                if not st:
-                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                st["step"] += 1
-                t = st["step"]
-                st["exp_avg"].lerp_(p.grad, 1 - b1)
-                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                m_hat = st["exp_avg"] / (1 - b1 ** t)
-                v_hat = st["exp_avg_sq"] / (1 - b2 ** t)
-                u = m_hat / (v_hat.sqrt() + g["eps"]) + g["weight_decay"] * p
-                pn, un = p.norm().item(), u.norm().item()
-                trust = pn / un if pn > 0 and un > 0 else 1.0
-                p.add_(u, alpha=-g["lr"] * trust)
-
-
-class RefLARS(torch.optim.Optimizer):
-    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient))
-
-    @torch.no_grad()
-    def step(self):
-        for g in self.param_groups:
-            for p in g["params"]:
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                pn, gn = p.norm().item(), p.grad.norm().item()
-                trust = (g["trust_coefficient"] * pn / (gn + g["weight_decay"] * pn)
-                         if pn > 0 and gn > 0 else 1.0)
-                buf.mul_(g["momentum"]).add_((p.grad + g["weight_decay"] * p) * trust)
-                p.add_(buf, alpha=-g["lr"])
-
-
-# name -> (ds_q8 class, reference class, kwargs shared by both)
-CASES = {
-    "rmsprop": (ds_q8.RMSprop8bitBlock, torch.optim.RMSprop, dict(lr=1e-3, alpha=0.99, weight_decay=1e-2)),
-    "rmsprop_momentum": (ds_q8.RMSprop8bitBlock, torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9)),
-    "adagrad": (ds_q8.Adagrad8bitBlock, torch.optim.Adagrad,
-                dict(lr=3e-2, lr_decay=1e-2, weight_decay=1e-2, initial_accumulator_value=0.1)),
-    "lamb": (ds_q8.LAMB8bitBlock, RefLAMB, dict(lr=1e-2, weight_decay=1e-2)),
-    "lars": (ds_q8.LARS8bitBlock, RefLARS, dict(lr=1.0, weight_decay=1e-3, trust_coefficient=2e-2)),
-    "lion": (ds_q8.Lion8bitBlock, RefLion, dict(lr=1e-3, weight_decay=1e-1)),
-}
+FAMILY = ("rmsprop", "rmsprop_momentum", "adagrad", "lamb", "lars", "lion")
+CASES = {name: ALL_CASES[name] for name in FAMILY}
 TORCH_FLAGS = dict(foreach=False)
 
 

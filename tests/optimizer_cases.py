@@ -1,0 +1,91 @@
+"""Every optimizer case the tests run, in one table.
+
+``CASES[name]`` is ``(ds_q8 class, 32-bit reference class, hyperparameters shared by both)``. The
+references are torch's own optimizers where torch has one, else the plain float32 formulas below,
+written from the papers and independent of ds_q8's code. The hyperparameters are away from the
+defaults where a kernel could silently ignore them (betas, eps, alpha, dampening, decay), and small
+enough that 8-bit state tracks the reference closely.
+"""
+from __future__ import annotations
+
+import torch
+
+import ds_q8
+
+
+class RefLion(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                m = self.state[p].setdefault("exp_avg", torch.zeros_like(p))
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(torch.sign(b1 * m + (1 - b1) * p.grad), alpha=-g["lr"])
+                m.lerp_(p.grad, 1 - b2)
+
+
+class RefLAMB(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+                st["step"] += 1
+                t = st["step"]
+                st["exp_avg"].lerp_(p.grad, 1 - b1)
+                st["exp_avg_sq"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m_hat = st["exp_avg"] / (1 - b1 ** t)
+                v_hat = st["exp_avg_sq"] / (1 - b2 ** t)
+                u = m_hat / (v_hat.sqrt() + g["eps"]) + g["weight_decay"] * p
+                pn, un = p.norm().item(), u.norm().item()
+                trust = pn / un if pn > 0 and un > 0 else 1.0
+                p.add_(u, alpha=-g["lr"] * trust)
+
+
+class RefLARS(torch.optim.Optimizer):
+    def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            for p in g["params"]:
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                pn, gn = p.norm().item(), p.grad.norm().item()
+                trust = (g["trust_coefficient"] * pn / (gn + g["weight_decay"] * pn)
+                         if pn > 0 and gn > 0 else 1.0)
+                buf.mul_(g["momentum"]).add_((p.grad + g["weight_decay"] * p) * trust)
+                p.add_(buf, alpha=-g["lr"])
+
+
+CASES = {
+    "adam": (ds_q8.Adam8bitBlock, torch.optim.Adam, dict(lr=1e-3, weight_decay=1e-2)),
+    "adamw": (ds_q8.AdamW8bitBlock, torch.optim.AdamW, dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-1)),
+    "momentum": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3)),
+    "nesterov": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "dampening": (ds_q8.Momentum8bitBlock, torch.optim.SGD, dict(lr=1e-2, momentum=0.8, dampening=0.3)),
+    "rmsprop": (ds_q8.RMSprop8bitBlock, torch.optim.RMSprop, dict(lr=1e-3, alpha=0.99, weight_decay=1e-2)),
+    "rmsprop_momentum": (ds_q8.RMSprop8bitBlock, torch.optim.RMSprop, dict(lr=1e-3, alpha=0.9, momentum=0.9)),
+    "adagrad": (ds_q8.Adagrad8bitBlock, torch.optim.Adagrad,
+                dict(lr=3e-2, lr_decay=1e-2, weight_decay=1e-2, initial_accumulator_value=0.1)),
+    "lamb": (ds_q8.LAMB8bitBlock, RefLAMB, dict(lr=1e-2, weight_decay=1e-2)),
+    "lamb_no_decay": (ds_q8.LAMB8bitBlock, RefLAMB, dict(lr=1e-2, betas=(0.8, 0.99))),
+    "lars": (ds_q8.LARS8bitBlock, RefLARS, dict(lr=1.0, weight_decay=1e-3, trust_coefficient=2e-2)),
+    "lion": (ds_q8.Lion8bitBlock, RefLion, dict(lr=1e-3, weight_decay=1e-1)),
+}
+
+
+def kernel_cases():
+    """``name -> (ds_q8 class, hyperparameters)``: the table without its references."""
+    return {name: (ours, kw) for name, (ours, _, kw) in CASES.items()}
