@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import time
 import warnings
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -67,20 +66,6 @@ def copy_rows(n: int, device: str) -> List[dict]:
     return [dict(name="copy (dst.copy_(src), fp32)", bytes=BYTES_COPY, step=lambda: dst.copy_(src))]
 
 
-def _reference_step(opt) -> Callable[[], None]:
-    def step():
-        saved = os.environ.get("DS_Q8_KERNELS")
-        os.environ["DS_Q8_KERNELS"] = "0"
-        try:
-            opt.step()
-        finally:
-            if saved is None:
-                del os.environ["DS_Q8_KERNELS"]
-            else:
-                os.environ["DS_Q8_KERNELS"] = saved
-    return step
-
-
 def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, skip=(), only=None) -> List[dict]:
     """(name, bytes per param, step function) for every implementation available here, each stepping
     ``count`` parameters of ``n`` elements; rows whose name contains a string of ``skip``, or is not
@@ -100,18 +85,22 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
                 _SKIPPED.add(name)
                 print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
 
-    def ds_q8_kernel(nonfinite):
-        kind = "cuda" if device.startswith("cuda") else "cpu"
-        if ops.load_op(kind) is None:
-            raise RuntimeError(f"the {kind} op is unavailable")
-        return ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite).step
+    def ds_q8_kernel(nonfinite, engine_norm=False):
+        opt = ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel")
+        if engine_norm:  # what the DeepSpeed integration hands over when the engine clips gradients
+            norm = torch.ones((), device=device)
+            opt.grad_norm_source = lambda: norm
+        return opt.step
 
     add("ds_q8 AdamW8bitBlock (kernel)", BYTES_8BIT, lambda: ds_q8_kernel("skip"))
-    # the default non-finite check is one extra read of the gradients; this row shows its cost
+    # the default non-finite check is one extra read of the gradients; these rows show its cost, and
+    # that under DeepSpeed with gradient clipping the engine's norm answers it instead
+    add("ds_q8 AdamW8bitBlock (kernel, check answered by the clip norm)", BYTES_8BIT,
+        lambda: ds_q8_kernel("skip", engine_norm=True))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
     if with_reference:
         add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
-            lambda: _reference_step(ds_q8.AdamW8bitBlock(_param(n, device, 1), lr=LR, weight_decay=WD)))
+            lambda: ds_q8.AdamW8bitBlock(_param(n, device, 1), lr=LR, weight_decay=WD, impl="reference").step)
     add("torch AdamW fused", BYTES_32BIT,
         lambda: torch.optim.AdamW(_param(n, device, 2), lr=LR, weight_decay=WD, fused=True).step)
     add("torch AdamW foreach", BYTES_32BIT,

@@ -1,19 +1,27 @@
 """Dispatch from the optimizers to the compiled kernels.
 
 CPU tensors go to the C++ op, CUDA tensors to the CUDA op. Each op is loaded (prebuilt, or
-JIT-compiled and cached by torch) on first use. When an op cannot be loaded, the step falls back
-to the pure-PyTorch reference, which gives the same result more slowly, and one warning says why.
+JIT-compiled and cached by torch) on first use. Which path a group's step takes is its ``impl``
+option, decided here and nowhere else:
 
-Environment:
-  DS_Q8_KERNELS=0        always use the reference (no warning)
-  DS_Q8_CPU_ISA=NAME     force the CPU instruction set: avx512, avx2 or scalar
-  DS_Q8_FAST_SEARCH=0    AVX-512: find nearest codes with the lookup table instead of the
-                         segment search (csrc/cpu/q8_fastmap.h); same codes, slower
+  ``"auto"`` (default)  the kernels; where an op cannot be loaded (one warning says why) or a tensor
+                        has no kernel, the pure-PyTorch reference, which gives the same bits, slower
+  ``"kernel"``          the kernels or an error: a failed build raises with the build's message,
+                        and so does a tensor that no kernel takes
+  ``"reference"``       the pure-PyTorch reference only (the kernels are not even loaded)
+
+The CPU instruction set is the best one the CPU supports, chosen once when the op loads;
+:func:`use_cpu_isa` selects another one for a block of code (tests and benchmarks).
+:data:`CALLS` counts kernel calls by ``(device type, entry)``, so a caller can tell that a kernel ran.
+
+Parameters that ZeRO cuts inside a block always take a batched reference pass for that block
+(``optim/stepping.py``): its maximum is agreed across ranks before it is quantized.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import importlib
-import os
 import warnings
 from typing import Dict, Optional
 
@@ -22,11 +30,17 @@ import torch
 from . import functional as F
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+from .optim.checks import IMPLS
 
 _modules: Dict[str, object] = {}
+_errors: Dict[str, str] = {}  # kind -> why its op could not be loaded
 _PREBUILT = {"cpu": "_q8_cpu", "cuda": "_q8_cuda"}  # the op builders' names, as setup.py prebuilds them
 _lookups: Dict[tuple, tuple] = {}
 _warned: set = set()
+_isa: Dict[str, str] = {}  # "chosen": the CPU instruction set in use
+
+#: kernel calls so far, by ``(device type, entry)``, e.g. ``("cpu", "step_many")``
+CALLS: collections.Counter = collections.Counter()
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -35,47 +49,68 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def kernels_enabled() -> bool:
-    return os.environ.get("DS_Q8_KERNELS", "1").strip().lower() not in ("0", "false", "off", "reference")
+def group_impl(group: dict) -> str:
+    """A group's ``impl`` (groups saved before the option existed are ``"auto"``)."""
+    return group.get("impl", "auto")
 
 
-def load_op(kind: str):
-    """The compiled module for ``kind`` ("cpu" or "cuda"), or None (with one warning) if it cannot load."""
-    if kind in _modules:
-        return _modules[kind]
-    module = None
-    try:
-        module = importlib.import_module(f"ds_q8.{_PREBUILT[kind]}")  # built by setup.py: no DeepSpeed needed
-    except ImportError:
-        pass
-    try:
-        if module is None:
-            try:
-                from .op_builder import ALL_BUILDERS  # DeepSpeed's OpBuilder compiles the ops
-            except ImportError as exc:
-                raise RuntimeError(f"DeepSpeed, whose op builder compiles them, cannot be imported ({exc}); "
-                                   "pip install deepspeed (or ds_q8[train])") from None
-            builder = ALL_BUILDERS[kind]()
-            if not builder.is_compatible():
-                raise RuntimeError(builder.error_log)
-            module = builder.load()
-    except Exception as exc:  # a failed build must not stop training: the reference is exact
-        reason = " ".join(str(exc).split())[:500]
-        _warn_once(f"load-{kind}", f"ds_q8: the {kind.upper()} kernels are unavailable ({reason}); using the "
+def load_op(kind: str, required: bool = False):
+    """The compiled module for ``kind`` ("cpu" or "cuda"), or None (with one warning) if it cannot load.
+
+    ``required=True`` raises ``RuntimeError`` with the reason instead.
+    """
+    if kind not in _modules:
+        _modules[kind] = _load(kind)
+    module = _modules[kind]
+    if module is None:
+        if required:
+            raise RuntimeError(f"ds_q8: impl='kernel' needs the {kind.upper()} kernels, which cannot be loaded: "
+                               f"{_errors[kind]}")
+        _warn_once(f"load-{kind}", f"ds_q8: the {kind.upper()} kernels are unavailable ({_errors[kind]}); using the "
                                    "pure-PyTorch reference step (same results, slower)")
-    _modules[kind] = module
     return module
 
 
-def cpu_isa(module) -> str:
-    """The CPU instruction set to use: DS_Q8_CPU_ISA if set, else the best one supported."""
-    supported = list(module.supported_isas())
-    wanted = os.environ.get("DS_Q8_CPU_ISA", "").strip().lower()
-    if not wanted:
-        return supported[0]
-    if wanted not in supported:
-        raise ValueError(f"DS_Q8_CPU_ISA must be one of {supported} on this CPU, got {wanted!r}")
-    return wanted
+def _load(kind: str):
+    try:
+        return importlib.import_module(f"ds_q8.{_PREBUILT[kind]}")  # built by setup.py: no DeepSpeed needed
+    except ImportError:
+        pass
+    try:
+        try:
+            from .op_builder import ALL_BUILDERS  # DeepSpeed's OpBuilder compiles the ops
+        except ImportError as exc:
+            raise RuntimeError(f"DeepSpeed, whose op builder compiles them, cannot be imported ({exc}); "
+                               "pip install deepspeed (or ds_q8[train])") from None
+        builder = ALL_BUILDERS[kind]()
+        if not builder.is_compatible():
+            raise RuntimeError(builder.error_log)
+        return builder.load()
+    except Exception as exc:  # a failed build must not stop training under impl="auto": the reference is exact
+        _errors[kind] = " ".join(str(exc).split())[:2000]
+        return None
+
+
+def cpu_isa(module=None) -> str:
+    """The CPU instruction set in use: the best one this CPU supports, chosen when the op loads."""
+    if "chosen" not in _isa:
+        module = module if module is not None else load_op("cpu", required=True)
+        _isa["chosen"] = list(module.supported_isas())[0]
+    return _isa["chosen"]
+
+
+@contextlib.contextmanager
+def use_cpu_isa(name: str):
+    """Run the CPU kernels with instruction set ``name`` (avx512, avx2 or scalar) inside the block."""
+    supported = list(load_op("cpu", required=True).supported_isas())
+    if name not in supported:
+        raise ValueError(f"name must be one of the instruction sets this CPU supports, {supported}, got {name!r}")
+    saved = cpu_isa()
+    _isa["chosen"] = name
+    try:
+        yield name
+    finally:
+        _isa["chosen"] = saved
 
 
 def _lookup(code: torch.Tensor, module) -> torch.Tensor:
@@ -90,26 +125,62 @@ def _lookup(code: torch.Tensor, module) -> torch.Tensor:
 
 
 def _op_for(t: torch.Tensor):
-    if not kernels_enabled() or t.device.type not in ("cpu", "cuda"):
+    if t.device.type not in ("cpu", "cuda"):
         return None
     return load_op(t.device.type)
 
 
 def _call(module, name, t, *args):
-    if t.device.type == "cpu":
+    kind = t.device.type
+    CALLS[(kind, name)] += 1
+    if kind == "cpu":
         return getattr(module, name)(cpu_isa(module), *args)
     return getattr(module, name)(*args)
 
 
-def _kernel_maps(optimizer, group, device, module):
+def _kernel_maps(optimizer, group, device, module, strict):
     """The maps and their lookup tables for a kernel call, or None (one warning) when a map has none."""
     maps = optimizer._maps(group, device)
     try:
         return maps, [_lookup(m, module) for m in maps]
     except ValueError as exc:  # a map too dense for the one-comparison table
+        if strict:
+            raise ValueError(f"impl='kernel': no fused kernel for quantization={group['quantization']!r} ({exc})") \
+                from None
         _warn_once(f"map-{group['quantization']}", f"ds_q8: no fused kernel for this map ({exc}); using the "
                                                    "reference step")
         return None
+
+
+def _no_kernel(items, strict: bool, why: str) -> list:
+    """Items that no kernel takes: back to the caller (reference step), or an error under impl='kernel'."""
+    if strict and items:
+        raise ValueError(f"impl='kernel': {why}; use impl='auto' to step such tensors with the reference")
+    return list(items)
+
+
+def _unsupported(p: torch.Tensor, grad: torch.Tensor, states=()) -> Optional[str]:
+    """Why the kernels cannot take this tensor, or None (cheap attribute reads: runs per tensor per step)."""
+    pd, gd = p.dtype, grad.dtype
+    if pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32):
+        return f"no kernel for {pd} parameters with {gd} gradients"
+    if p.device.type not in ("cpu", "cuda") or grad.device != p.device:
+        return f"no kernel for a parameter on {p.device} with its gradient on {grad.device}"
+    if not p.is_contiguous() or not all(s.is_contiguous() for s in states):
+        return "the kernels need contiguous parameters and states"
+    return None
+
+
+def _kernel_rule(optimizer, group, items):
+    """``(rule, strict)`` for a batch of items, or ``(None, strict)`` when they all go to the reference."""
+    impl = group_impl(group)
+    strict = impl == "kernel"
+    if impl == "reference" or not items:
+        return None, strict
+    rule = getattr(optimizer, "update_rule", "")
+    if not rule:
+        _no_kernel(items, strict, f"{type(optimizer).__name__} has no fused kernel")
+    return rule or None, strict
 
 
 def fused_step(optimizer, p, grad, codes, absmax, group, hyper) -> bool:
@@ -128,36 +199,39 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
     first element starts a block, its gradient, its states' codes and block maxima, and None or
     ``(key, index of its first element in its parameter)`` for stochastic rounding. They are batched
     by device and dtypes; each batch is one call (on CPU one parallel loop over all its blocks).
-    Returns the items it did not step, which the caller steps with the reference.
+    Returns the items it did not step, which the caller steps with the reference (``impl="auto"``
+    only: under ``impl="kernel"`` an item without a kernel raises).
     """
-    rule = getattr(optimizer, "update_rule", "")
-    if not rule or group["block_size"] is None or not kernels_enabled():
+    rule, strict = _kernel_rule(optimizer, group, items)
+    if rule is None:
         return list(items)
+    if group["block_size"] is None:
+        return _no_kernel(items, strict, "block_size=None (one block per tensor) has no kernel")
     batches: Dict[tuple, list] = {}
     rest = []
-    for item in items:  # cheap attribute reads only: this loop runs once per tensor per step
+    for item in items:
         p, grad = item[0], item[1]
-        pd, gd, cuda = p.dtype, grad.dtype, p.is_cuda
-        if (pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32) or not p.is_contiguous()
-                or grad.is_cuda is not cuda or (not cuda and not p.is_cpu)):
-            rest.append(item)
+        why = _unsupported(p, grad)
+        if why is not None:
+            rest.extend(_no_kernel([item], strict, why))
             continue
-        key = (p.get_device() if cuda else -1, pd, gd)
+        key = (p.get_device() if p.is_cuda else -1, p.dtype, grad.dtype)
         batch = batches.get(key)
         if batch is None:
             batch = batches[key] = []
         batch.append(item)
     for batch in batches.values():
         device = batch[0][0].device
-        module = load_op(device.type)
+        module = load_op(device.type, required=strict)
         if module is None:
             rest.extend(batch)
             continue
         if rule not in module.rules():
-            _warn_once(f"rule-{rule}", f"ds_q8: no fused kernel for update rule '{rule}'; using the reference step")
-            rest.extend(batch)
+            if not strict:
+                _warn_once(f"rule-{rule}", f"ds_q8: no fused kernel for update rule '{rule}'; using the reference step")
+            rest.extend(_no_kernel(batch, strict, f"no fused kernel for update rule {rule!r}"))
             continue
-        maps = _kernel_maps(optimizer, group, device, module)
+        maps = _kernel_maps(optimizer, group, device, module, strict)
         if maps is None:
             rest.extend(batch)
             continue
@@ -180,49 +254,53 @@ def _rounding_lists(items, at: int):
 
 
 def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
-    """The same fused step for CPU tensors whose state is float32 (``optim_bits=32`` or below
+    """The same fused step for tensors whose state is float32 (``optim_bits=32`` or below
     ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`.
     Returns the items it did not step."""
-    rule = getattr(optimizer, "update_rule", "")
-    if not rule or not kernels_enabled():
-        return list(items)
-    module = load_op("cpu")
-    if module is None or rule not in module.rules():
+    rule, strict = _kernel_rule(optimizer, group, items)
+    if rule is None:
         return list(items)
     batches: Dict[tuple, tuple] = {}
     rest = []
     for item in items:
         p, grad, states, _ = item
-        pd, gd = p.dtype, grad.dtype
-        if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
-                or not p.is_contiguous() or not all(s.is_contiguous() for s in states)):
-            rest.append(item)
+        why = _unsupported(p, grad, states)
+        if why is None and not p.is_cpu:
+            why = f"no float32-state kernel on {p.device.type} yet"
+        if why is not None:
+            rest.extend(_no_kernel([item], strict, why))
             continue
-        batch = batches.get((pd, gd))
+        batch = batches.get((p.dtype, grad.dtype))
         if batch is None:
-            batch = batches[(pd, gd)] = ([], [], [], [])
+            batch = batches[(p.dtype, grad.dtype)] = ([], [], [], [])
         batch[0].append(p)
         batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
         batch[2].append(states)
         batch[3].append(item)
-    isa = cpu_isa(module) if batches else None
+    if not batches:
+        return rest
+    module = load_op("cpu", required=strict)
+    if module is None or rule not in module.rules():
+        return rest + _no_kernel([it for b in batches.values() for it in b[3]], strict,
+                                 f"no fused kernel for update rule {rule!r}")
     for params, grads, states, batch_items in batches.values():
         keys, index = _rounding_lists(batch_items, 3)
-        module.step_fp32_many(isa, rule, params, grads, states, dict(hyper), keys, index)
+        _call(module, "step_fp32_many", params[0], rule, params, grads, states, dict(hyper), keys, index)
     return rest
 
 
 def cpu_all_finite(tensors) -> Optional[bool]:
     """Whether CPU tensors hold only finite values, in one compiled read; None where it does not apply.
 
-    None (the caller then asks torch) for an empty list, kernels switched off or unavailable, or
+    None (the caller then asks torch) for an empty list, kernels unavailable, or
     any tensor that is not a contiguous float32/float16/bfloat16 CPU tensor.
     """
-    if not tensors or not kernels_enabled():
+    if not tensors:
         return None
     module = load_op("cpu")
     if module is None:
         return None
+    CALLS[("cpu", "all_finite_or_unknown")] += 1
     answer = module.all_finite_or_unknown(tensors if isinstance(tensors, (list, tuple)) else list(tensors))
     return None if answer < 0 else bool(answer)
 
@@ -267,10 +345,12 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, code: Option
     code = F._check_code(code, codes.device)
     flat_codes, flat_absmax = codes.reshape(-1).contiguous(), absmax.reshape(-1).contiguous()
     if out is not None and codes.device.type == "cpu":
+        CALLS[("cpu", "dequantize_into")] += 1
         module.dequantize_into(cpu_isa(module), flat_codes, flat_absmax, code, block_size, out.view(-1))
         return out
     values = _call(module, "dequantize", codes, flat_codes, flat_absmax, code, block_size, dtype).view(codes.shape)
     return values if out is None else out.copy_(values)
 
 
-__all__ = ["fused_step", "fused_step_many", "fused_step_fp32_many", "cpu_all_finite", "quantize_blockwise", "dequantize_blockwise", "load_op", "kernels_enabled"]
+__all__ = ["fused_step", "fused_step_many", "fused_step_fp32_many", "cpu_all_finite", "quantize_blockwise",
+           "dequantize_blockwise", "load_op", "cpu_isa", "use_cpu_isa", "group_impl", "IMPLS", "CALLS"]

@@ -30,11 +30,12 @@ def register_with_deepspeed() -> bool:
     for cls in OPTIMIZERS.values():
         if cls not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
             zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(cls)
-    from .integration import checkpoint_files, engine_checks, universal, zero_layout
+    from .integration import checkpoint_files, engine_checks, grad_norm, universal, zero_layout
 
     engine_checks.install()
     engine_checks.install_master_weights()
     checkpoint_files.install()
     zero_layout.install()
     universal.install()
+    grad_norm.install()
     return True

@@ -38,6 +38,7 @@ def _jobs():
                      "config": config(stage, "Adam", opt_params={"adam_w_mode": False}, **extra)})
     jobs += [
         {"name": "adamw_s2", "steps": STEPS, "config": config(2, "AdamW8bitBlock")},
+        {"name": "noclip_s0", "steps": 2, "config": config(0, gradient_clipping=0.0)},
         {"name": "momentum_s2", "steps": STEPS, "config": config(2, "Momentum8bitBlock", lr=0.1)},
         {"name": "sched_s2", "steps": STEPS, "config": config(2, scheduler=WARMUP)},
         {"name": "groups_s2", "steps": STEPS, "param_groups": True, "config": config(2)},
@@ -72,6 +73,16 @@ def test_json_type_builds_8bit_optimizer_and_tracks_fp32_adam(results, variant):
     assert q8["losses"][-1] < 0.2 * q8["losses"][0]
     for a, b in zip(q8["losses"], ref["losses"]):
         assert abs(a - b) <= 0.02 * b, (q8["losses"], ref["losses"])
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *BF16_MASTER_VARIANTS])
+def test_clipping_norm_answers_the_nonfinite_check(results, variant):
+    # DeepSpeed computed the global gradient norm for clipping: no second read of the gradients
+    assert results[f"q8_{variant}"]["nonfinite_checks"] == {"norm": STEPS}
+
+
+def test_without_clipping_the_gradients_are_read(results):
+    assert results["noclip_s0"]["nonfinite_checks"] == {"pass": 2}
 
 
 @pytest.mark.parametrize("variant", ["s1", "s2", "s3", "s2_off", "s3_off"])

@@ -1,7 +1,9 @@
 """The compiled CPU kernels against the pure-PyTorch reference: identical bits, every path.
 
 The CPU op is JIT-compiled once per session (torch caches it under TORCH_EXTENSIONS_DIR).
-Every instruction set this CPU supports is exercised by forcing DS_Q8_CPU_ISA.
+Every instruction set this CPU supports is exercised (``ops.use_cpu_isa``), and every comparison runs
+the kernel side with ``impl="kernel"`` (an error instead of a silent fallback) and checks
+``ops.CALLS``, so a test cannot pass by comparing the reference with itself.
 """
 import inspect
 import math
@@ -53,11 +55,20 @@ def assert_same_bits(a, b, what):
 
 def reference_step(opt):
     """One step of ``opt`` forced onto the pure-PyTorch reference."""
-    os.environ["DS_Q8_KERNELS"] = "0"
+    saved = [g["impl"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["impl"] = "reference"
     try:
         opt.step()
     finally:
-        del os.environ["DS_Q8_KERNELS"]
+        for g, impl in zip(opt.param_groups, saved):
+            g["impl"] = impl
+
+
+def kernel_calls(device="cpu") -> int:
+    """Kernel calls so far on ``device`` (any entry point)."""
+    kind = torch.device(device).type
+    return sum(n for (k, _), n in ops.CALLS.items() if k == kind)
 
 
 def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization="dynamic", grads=None, seed=0,
@@ -69,7 +80,8 @@ def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization
     if grad_dtype is not None:
         pk.grad_dtype = pr.grad_dtype = grad_dtype  # e.g. fp32 gradients of bf16 params
     common = dict(block_size=block_size, min_8bit_size=0, quantization=quantization, **kw)
-    ok, orf = cls([pk], **common), cls([pr], **common)
+    ok, orf = cls([pk], impl="kernel", **common), cls([pr], impl="reference", **common)
+    calls = kernel_calls(device)
     for s in range(steps):
         g = grads[s] if grads is not None else torch.randn(n, generator=gen) * 10.0 ** (s % 3 - 1)
         if grads is None and n > block_size and s == 1:
@@ -77,7 +89,8 @@ def run_both(cls, kw, n, dtype, steps, block_size, grad_dtype=None, quantization
         g = g.to(device=device, dtype=grad_dtype or dtype)
         pk.grad, pr.grad = g.clone(), g.clone()
         ok.step()
-        reference_step(orf)
+        orf.step()
+    assert kernel_calls(device) >= calls + steps, "the kernel did not run"
     return (pk, ok), (pr, orf)
 
 
@@ -100,9 +113,9 @@ def assert_same_run(kernel, reference):
 
 
 @pytest.fixture
-def isa(request, monkeypatch):
-    monkeypatch.setenv("DS_Q8_CPU_ISA", request.param)
-    return request.param
+def isa(request):
+    with ops.use_cpu_isa(request.param):
+        yield request.param
 
 
 # ---------------------------------------------------------------------------- fused step
@@ -228,8 +241,6 @@ def test_all_finite_leaves_other_tensors_to_torch(cpu_op, monkeypatch):
     # the strict binding keeps refusing such tensors with a message
     with pytest.raises(ValueError, match="tensor must be contiguous"):
         cpu_op.all_finite([torch.randn(8, 8).t()])
-    monkeypatch.setenv("DS_Q8_KERNELS", "0")
-    assert ops.cpu_all_finite([torch.randn(8)]) is None
 
 
 # ---------------------------------------------------------------------------- (de)quantization
@@ -353,7 +364,8 @@ def test_step_rejects_missing_hyperparameter(cpu_op):
 
 # ---------------------------------------------------------------------------- dispatch and fallback
 
-def test_unavailable_op_warns_once_and_uses_reference(monkeypatch):
+def break_the_build(monkeypatch):
+    """Make every op fail to load, as a machine without a compiler would."""
     class Broken:
         def __init__(self):
             self.error_log = "no compiler in this test"
@@ -363,6 +375,12 @@ def test_unavailable_op_warns_once_and_uses_reference(monkeypatch):
 
     monkeypatch.setattr("ds_q8.op_builder.ALL_BUILDERS", {"cpu": Broken, "cuda": Broken})
     monkeypatch.setattr(ops, "_modules", {})
+    monkeypatch.setattr(ops, "_errors", {})
+    monkeypatch.setattr(ops, "_PREBUILT", {"cpu": "_not_prebuilt", "cuda": "_not_prebuilt"})
+
+
+def test_unavailable_op_warns_once_and_uses_reference(monkeypatch):
+    break_the_build(monkeypatch)
     monkeypatch.setattr(ops, "_warned", set())
     p = torch.nn.Parameter(torch.randn(5000))
     opt = ds_q8.AdamW8bitBlock([p])
@@ -400,20 +418,57 @@ def test_map_without_lookup_table_falls_back(cpu_op, monkeypatch):
         opt.step()
 
 
-def test_kernels_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("DS_Q8_KERNELS", "0")
-    assert not ops.kernels_enabled()
-    monkeypatch.setattr(ops, "load_op", lambda kind: pytest.fail("must not load an op"))
-    p = torch.nn.Parameter(torch.randn(5000))
-    opt = ds_q8.Adam8bitBlock([p])
-    p.grad = torch.randn(5000)
+def test_reference_impl_never_loads_an_op(monkeypatch):
+    monkeypatch.setattr(ops, "load_op", lambda *a, **k: pytest.fail("must not load an op"))
+    p = torch.nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))
+    opt = ds_q8.Adam8bitBlock([p], impl="reference", min_8bit_size=1000)
+    q = torch.nn.Parameter(torch.randn(100))  # 32-bit state: the other kernel
+    opt.add_param_group({"params": [q], "impl": "reference"})
+    p.grad, q.grad = torch.randn(5000, dtype=torch.bfloat16), torch.randn(100)
     opt.step()
+    assert opt.state[p]["step"] == 1 and opt.state[q]["step"] == 1
 
 
-def test_bad_isa_environment_is_an_error(monkeypatch, cpu_op):
-    monkeypatch.setenv("DS_Q8_CPU_ISA", "mmx")
-    with pytest.raises(ValueError, match="DS_Q8_CPU_ISA must be one of"):
-        ops.quantize_blockwise(torch.randn(100))
+def test_kernel_impl_raises_with_the_build_error(monkeypatch):
+    break_the_build(monkeypatch)
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.AdamW8bitBlock([p], impl="kernel")
+    p.grad = torch.randn(5000)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"impl='kernel' needs the CPU kernels.*no compiler in this test"), \
+            pytest.warns(RuntimeWarning, match="CPU kernels are unavailable"):  # the gradient check's fallback
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("case", ["non-contiguous", "block_size=None", "rule"])
+def test_kernel_impl_refuses_what_no_kernel_takes(cpu_op, case):
+    cls = ds_q8.Momentum8bitBlock
+    if case == "rule":
+        class Renamed(ds_q8.Momentum8bitBlock):
+            update_rule = "not_a_kernel_rule"
+        cls = Renamed
+    p = torch.nn.Parameter(torch.randn(100, 50).t() if case == "non-contiguous" else torch.randn(5000))
+    opt = cls([p], impl="kernel", block_size=None if case == "block_size=None" else 2048)
+    p.grad = torch.randn_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="impl='kernel'"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_unknown_isa_is_an_error(cpu_op):
+    with pytest.raises(ValueError, match="name must be one of the instruction sets this CPU supports"):
+        with ops.use_cpu_isa("mmx"):
+            pass
+
+
+def test_isa_is_chosen_once_and_restored(cpu_op):
+    best = ops.cpu_isa()
+    assert best == cpu_op.supported_isas()[0]
+    with ops.use_cpu_isa("scalar"):
+        assert ops.cpu_isa() == "scalar"
+    assert ops.cpu_isa() == best
 
 
 # ---------------------------------------------------------------------------- builders

@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 import ds_q8
+from ds_q8 import ops
 
 
-def setup(nonfinite="skip"):
+def setup(nonfinite="skip", impl="auto"):
     torch.manual_seed(0)
     model = nn.Linear(100, 100)
-    opt = ds_q8.Adam8bitBlock(model.parameters(), lr=1e-2, block_size=256, nonfinite=nonfinite)
+    opt = ds_q8.Adam8bitBlock(model.parameters(), lr=1e-2, block_size=256, nonfinite=nonfinite, impl=impl)
     for _ in range(3):
         model(torch.randn(8, 100)).pow(2).mean().backward()
         opt.step()
@@ -28,21 +29,22 @@ def poison(model, value):
     model.weight.grad[3, 7] = value
 
 
-@pytest.fixture(params=["kernels", "reference"])
-def check_path(request, monkeypatch):
+@pytest.fixture(params=["kernel", "reference"])
+def check_path(request):
     """CPU gradients are checked by the compiled op when kernels are on, by torch otherwise."""
-    if request.param == "reference":
-        monkeypatch.setenv("DS_Q8_KERNELS", "0")
     return request.param
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_skip_leaves_params_and_state_untouched(value, check_path):
-    model, opt = setup("skip")
+    model, opt = setup("skip", impl=check_path)
     before_m, before_o = snapshot(model, opt)
     poison(model, value)
+    reads = ops.CALLS[("cpu", "all_finite_or_unknown")]
     with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
         opt.step()
+    # the compiled read of the gradients ran exactly when kernels are in use
+    assert (ops.CALLS[("cpu", "all_finite_or_unknown")] == reads + 1) == (check_path == "kernel")
     after_m, after_o = snapshot(model, opt)
     for k in before_m:
         assert torch.equal(before_m[k], after_m[k])
@@ -79,3 +81,32 @@ def test_off_does_not_check():
 def test_bad_mode():
     with pytest.raises(ValueError, match=r"nonfinite must be one of \('skip', 'raise', 'off'\), got 'ignore'"):
         ds_q8.AdamW8bitBlock([nn.Parameter(torch.zeros(3))], nonfinite="ignore")
+
+
+@pytest.mark.parametrize("norm", [torch.tensor(float("nan")), float("inf"), torch.tensor([float("-inf")])])
+def test_an_engine_norm_that_is_not_finite_skips_without_reading_gradients(norm):
+    model, opt = setup("skip")
+    before_m, _ = snapshot(model, opt)
+    opt.grad_norm_source = lambda: norm
+    model(torch.randn(8, 100)).pow(2).mean().backward()  # finite gradients: only the norm says skip
+    reads = ops.CALLS[("cpu", "all_finite_or_unknown")]
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        opt.step()
+    assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads
+    assert opt.nonfinite_checks["norm"] == 1 and opt.skipped_steps == 1
+    after_m, _ = snapshot(model, opt)
+    assert all(torch.equal(before_m[k], after_m[k]) for k in before_m)
+
+
+def test_a_finite_engine_norm_replaces_the_read():
+    model, opt = setup("skip")
+    opt.grad_norm_source = lambda: torch.tensor(3.0)
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    reads, steps = ops.CALLS[("cpu", "all_finite_or_unknown")], ops.CALLS[("cpu", "step_many")]
+    opt.step()
+    assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads and ops.CALLS[("cpu", "step_many")] == steps + 1
+    assert opt.state[model.weight]["step"] == 4
+    # a source with nothing to say (no norm this step) falls back to reading the gradients
+    opt.grad_norm_source = lambda: None
+    opt.step()
+    assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads + 1

@@ -1,6 +1,5 @@
 """Stochastic rounding of 16-bit parameter writes: unbiased, reproducible, the same bits in the
 compiled kernels as in the PyTorch specification (ds_q8/optim/rounding.py)."""
-import os
 
 import pytest
 import torch
@@ -66,18 +65,10 @@ def exact_write(x: torch.Tensor, dtype, kernels: bool, seed=0):
     """Momentum with lr 1 from p = 0 and grad -x writes x itself: what reaches memory is x rounded."""
     p = torch.nn.Parameter(torch.zeros(x.numel(), dtype=dtype))
     p.grad_dtype = torch.float32
-    opt = ds_q8.Momentum8bitBlock([p], lr=1.0, momentum=0.5, optim_bits=32, sr_seed=seed, nonfinite="off")
+    opt = ds_q8.Momentum8bitBlock([p], lr=1.0, momentum=0.5, optim_bits=32, sr_seed=seed, nonfinite="off",
+                                  impl="kernel" if kernels else "reference")
     p.grad = (-x).to(torch.float32)
-    saved = os.environ.get("DS_Q8_KERNELS")
-    if not kernels:
-        os.environ["DS_Q8_KERNELS"] = "0"
-    try:
-        opt.step()
-    finally:
-        if not kernels:
-            os.environ.pop("DS_Q8_KERNELS")
-            if saved is not None:
-                os.environ["DS_Q8_KERNELS"] = saved
+    opt.step()
     return p.detach()
 
 

@@ -11,6 +11,10 @@ import inspect
 from typing import List
 
 
+#: keys for which "auto" is a real value, not a placeholder that the HF Trainer fills in
+AUTO_IS_A_VALUE = ("impl",)
+
+
 def constructor_keys(cls) -> List[str]:
     """Names of the keyword arguments ``cls(params, ...)`` accepts, in signature order."""
     keys = []
@@ -32,7 +36,7 @@ def check_optimizer_kwargs(cls, kwargs: dict) -> None:
             f"{cls.__name__} got unknown parameter(s) {unknown} (in a DeepSpeed config: the "
             f"\"optimizer\": {{\"params\": ...}} section); valid keys: {', '.join(valid)}"
         )
-    autos = sorted(k for k, v in kwargs.items() if isinstance(v, str) and v == "auto")
+    autos = sorted(k for k, v in kwargs.items() if isinstance(v, str) and v == "auto" and k not in AUTO_IS_A_VALUE)
     if autos:
         raise ValueError(
             f"{cls.__name__} parameter(s) {autos} are \"auto\": only the HF Trainer's DeepSpeed integration "

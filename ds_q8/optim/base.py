@@ -21,11 +21,14 @@ A concrete optimizer supplies only
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import collections
+import math
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import functional as F
+from .. import ops
 from . import nonfinite as NF
 from .checks import (QUANTIZATIONS, beta_hyper, check_adam_group, check_betas, check_common_group, check_range,
                      resolve_betas)
@@ -78,7 +81,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, nonfinite: str = "skip"):
         common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                      stochastic_rounding=None, sr_seed=0)
+                      stochastic_rounding=None, sr_seed=0, impl="auto")
         common.update(defaults)
         self.nonfinite = NF.check_mode(nonfinite)
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
@@ -89,6 +92,12 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         # ids of the tensors the optimizer was given: a tensor it steps that is not among them and has
         # no registered layout came from an unknown flattening wrapper
         self._given_ids: set = set()
+        #: how each step decided that its gradients were finite: "norm" (a gradient norm that DeepSpeed
+        #: computed for this step, see :attr:`grad_norm_source`) or "pass" (a read of every gradient)
+        self.nonfinite_checks: collections.Counter = collections.Counter()
+        #: a callable the DeepSpeed integration sets: the global gradient norm (over all ranks) that the
+        #: engine computed for the step now running, or None where it computed none
+        self.grad_norm_source: Optional[Callable[[], object]] = None
         super().__init__(params, common)
 
     # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
@@ -97,6 +106,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
         state.pop("_layouts", None)  # rebuilt on use (a ZeRO layout holds a process group)
+        state.pop("grad_norm_source", None)  # belongs to the engine that set it
         return state
 
     def __setstate__(self, state):
@@ -108,6 +118,8 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             self._layouts = {}
         if not hasattr(self, "_given_ids"):
             self._given_ids = set()
+        self.nonfinite_checks = getattr(self, "nonfinite_checks", collections.Counter())
+        self.grad_norm_source = getattr(self, "grad_norm_source", None)
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ checks
@@ -374,7 +386,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
                 work.append((group, p))
-        if self.nonfinite != "off" and not NF.grads_all_finite([p.grad for _, p in work]):
+        if self.nonfinite != "off" and not self._grads_finite(work):
             if self.nonfinite == "raise":
                 raise FloatingPointError(
                     f"{self.__class__.__name__}: a gradient contains NaN or Inf; nothing was updated "
@@ -405,6 +417,21 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             runner.add(p, p.grad, state, layout, group, h, seg_hyper, sr)
         runner.run()
         return loss
+
+    def _grads_finite(self, work) -> bool:
+        """Whether every gradient on every rank is finite.
+
+        A gradient norm that DeepSpeed already computed for this step (with gradient clipping, on by
+        default) answers it: the norm is finite exactly when every gradient element is, and it is
+        the same on every rank. Otherwise every gradient is read (one compiled pass on CPU).
+        """
+        norm = self.grad_norm_source() if self.grad_norm_source is not None else None
+        if norm is not None:
+            self.nonfinite_checks["norm"] += 1
+            return math.isfinite(float(norm))
+        self.nonfinite_checks["pass"] += 1
+        use_kernel = any(ops.group_impl(g) != "reference" for g in self.param_groups)
+        return NF.grads_all_finite([p.grad for _, p in work], use_kernel)
 
     @staticmethod
     def _write_param(dst: torch.Tensor, p32: torch.Tensor, sr, offset: int = 0) -> None:

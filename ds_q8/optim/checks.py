@@ -7,6 +7,7 @@ from typing import Dict
 from .. import functional as F
 
 QUANTIZATIONS = ("dynamic", "linear")
+IMPLS = ("auto", "kernel", "reference")  # ds_q8.ops decides by it
 
 
 def _is_number(x) -> bool:
@@ -29,7 +30,8 @@ def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, h
 
 
 def check_common_group(group: dict) -> None:
-    """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization."""
+    """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization,
+    stochastic rounding and impl."""
     check_range("lr", group["lr"], 0.0, math.inf)
     if group["block_size"] is not None:
         try:
@@ -49,6 +51,10 @@ def check_common_group(group: dict) -> None:
     if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
         raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
                          f"got {group['stochastic_rounding']!r}")
+    impl = group.get("impl", "auto")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} (kernels with the reference as fallback, kernels or an error, "
+                         f"the reference only), got {impl!r}")
     seed = group["sr_seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
         raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")

@@ -26,21 +26,21 @@ def check_mode(value) -> str:
     return value
 
 
-def _any_nonfinite(grads: List[torch.Tensor]) -> torch.Tensor:
+def _any_nonfinite(grads: List[torch.Tensor], use_kernel: bool) -> torch.Tensor:
     """Whether this rank's gradients hold a NaN or Inf (a bool tensor: no sync on a GPU)."""
     from .. import ops
 
     # CPU gradients: one compiled read instead of torch's isfinite (which writes a bool temporary)
-    fast = ops.cpu_all_finite(grads)
+    fast = ops.cpu_all_finite(grads) if use_kernel else None
     if fast is not None:
         return torch.tensor(not fast)
     flags = [torch.logical_not(torch.isfinite(g).all()) for g in grads]
     return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
 
 
-def grads_all_finite(grads: List[torch.Tensor]) -> bool:
+def grads_all_finite(grads: List[torch.Tensor], use_kernel: bool = True) -> bool:
     """True when every gradient on every rank is finite (ranks agree, so all skip or none)."""
-    local = _any_nonfinite(grads)
+    local = _any_nonfinite(grads, use_kernel)
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()
             and torch.distributed.get_world_size() > 1):
         return not bool(local)

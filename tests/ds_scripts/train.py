@@ -19,6 +19,7 @@ from torch import nn
 
 import deepspeed
 import ds_q8
+from ds_q8.integration import grad_norm
 from ds_q8.memory import measure_model_states, measured_state_bytes
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
@@ -126,6 +127,8 @@ def run_job(job, rank, world):
     name, kinds, steps, entries, stepped = state_summary(engine)
     by_rank = [None] * world
     dist.all_gather_object(by_rank, measured_state_bytes(engine))
+    inner = grad_norm._ds_q8_optimizer(engine)
+    rec["nonfinite_checks"] = dict(inner.nonfinite_checks) if inner is not None else None
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
                state_entries=entries, stepped_dtypes=stepped, model_states=model_states,
                param_sizes=[p.numel() for p in model.parameters()])

@@ -1,0 +1,96 @@
+"""The non-finite check of a ds_q8 step, answered by the gradient norm that DeepSpeed already computed.
+
+A ds_q8 step first makes sure that no gradient holds a NaN or Inf (``nonfinite="skip"``, see
+``optim/nonfinite.py``), which on its own costs one read of every gradient. With gradient clipping
+(DeepSpeed's default, 1.0) the engine has just computed the global gradient norm over all ranks,
+and that norm is finite exactly when every gradient element is. This module hands that norm to the
+optimizer (``Optimizer8bitBlock.grad_norm_source``) for the step it belongs to:
+
+* ZeRO stages 1-3 and DeepSpeed's bf16 optimizer compute it inside their ``step()``, before they
+  call the ds_q8 step: the norm is read while that ``step()`` runs, and only then;
+* without ZeRO or 16-bit training the engine clips fp32 gradients itself and drops the norm: the
+  clip below keeps it for the one ds_q8 step that follows.
+
+Where no norm was computed (no clipping, other wrappers), the optimizer reads the gradients as before.
+"""
+from __future__ import annotations
+
+import functools
+
+
+def _ds_q8_optimizer(engine):
+    from ..optim.base import Optimizer8bitBlock
+
+    outer = getattr(engine, "optimizer", None)
+    for candidate in (outer, getattr(outer, "optimizer", None)):
+        if isinstance(candidate, Optimizer8bitBlock):
+            return candidate
+    return None
+
+
+def _wrappers():
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    return DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer
+
+
+def _from_wrapper(wrapper, opt) -> None:
+    inside = [False]
+    original = wrapper.step
+
+    @functools.wraps(original)
+    def step(*args, **kwargs):
+        inside[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    wrapper.step = step  # this engine's wrapper only
+    # the wrapper sets _global_grad_norm before it calls the ds_q8 step; None where it computed none
+    opt.grad_norm_source = lambda: getattr(wrapper, "_global_grad_norm", None) if inside[0] else None
+
+
+def _from_fp32_clip(engine, opt) -> None:
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    pending = {}
+
+    def clip_fp32_gradients():
+        # what the engine's own method does, keeping the norm it returns for the next step
+        pending["norm"] = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                                          mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_fp32_gradients
+    opt.grad_norm_source = lambda: pending.pop("norm", None)
+
+
+def attach(engine) -> bool:
+    """Give the engine's ds_q8 optimizer the engine's gradient norm; False where it has none to give."""
+    opt = _ds_q8_optimizer(engine)
+    if opt is None:
+        return False
+    outer = engine.optimizer
+    if outer is opt:
+        # the engine's own condition for clipping fp32 gradients itself (DeepSpeedEngine._take_model_step)
+        if engine.gradient_clipping() > 0.0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()
+                                                      or engine.zero_optimization()):
+            _from_fp32_clip(engine, opt)
+            return True
+        return False
+    if isinstance(outer, _wrappers()):
+        _from_wrapper(outer, opt)
+        return True
+    return False
+
+
+def _attach_hook(engine, result, *args, **kwargs) -> None:
+    attach(engine)
+
+
+def install() -> bool:
+    from . import engine_hooks
+
+    return engine_hooks.run_after("_configure_optimizer", _attach_hook, name="ds_q8.grad_norm")
