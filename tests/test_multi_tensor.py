@@ -13,7 +13,7 @@ from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 
 from test_kernels import (  # noqa: F401 (isa is a fixture)
-    ISAS, RULES, assert_same_bits, assert_same_param, isa, reference_step)
+    ISAS, RULES, assert_same_bits, assert_same_param, isa, kernel_calls, reference_step)
 
 GPU = torch.cuda.is_available()
 
@@ -37,7 +37,8 @@ def make_params(device, seed=0, dtypes=(torch.float32, torch.bfloat16, torch.flo
 def run_pair(cls, kw, device="cpu", steps=4):
     pk, pr = make_params(device), make_params(device)
     common = dict(block_size=2048, min_8bit_size=0, **kw)
-    ok, orf = cls(pk, **common), cls(pr, **common)
+    ok, orf = cls(pk, impl="kernel", **common), cls(pr, impl="reference", **common)
+    calls = kernel_calls(device)
     gen = torch.Generator().manual_seed(1)
     for s in range(steps):
         for i, (a, b) in enumerate(zip(pk, pr)):
@@ -47,7 +48,8 @@ def run_pair(cls, kw, device="cpu", steps=4):
             g = (torch.randn(a.numel(), generator=gen) * 10.0 ** (s % 3 - 1)).to(device=device, dtype=a.dtype)
             a.grad, b.grad = g.clone(), g.clone()
         ok.step()
-        reference_step(orf)
+        orf.step()
+    assert kernel_calls(device) >= calls + steps, "the kernel did not run"
     return (pk, ok), (pr, orf)
 
 
@@ -194,14 +196,14 @@ def test_cuda_many_params_bit_identical_to_reference(rule):
 def run_pair_32bit(cls, kw, steps=3):
     pk, pr = make_params("cpu"), make_params("cpu")
     common = dict(optim_bits=32, **kw)
-    ok, orf = cls(pk, **common), cls(pr, **common)
+    ok, orf = cls(pk, impl="kernel", **common), cls(pr, impl="reference", **common)
     gen = torch.Generator().manual_seed(2)
     for s in range(steps):
         for a, b in zip(pk, pr):
             g = (torch.randn(a.numel(), generator=gen) * 10.0 ** (s % 3 - 1)).to(a.dtype)
             a.grad, b.grad = g.clone(), g.clone()
         ok.step()
-        reference_step(orf)
+        orf.step()
     return (pk, ok), (pr, orf)
 
 
