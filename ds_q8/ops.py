@@ -130,11 +130,15 @@ def _op_for(t: torch.Tensor):
     return load_op(t.device.type)
 
 
-def _call(module, name, t, *args):
+def _call(module, name, t, *args, skip=None):
+    """``module.<name>(*args)``, counted; CPU entry points take the instruction set first, CUDA step
+    entry points an optional device skip flag last."""
     kind = t.device.type
     CALLS[(kind, name)] += 1
     if kind == "cpu":
         return getattr(module, name)(cpu_isa(module), *args)
+    if skip is not None:
+        return getattr(module, name)(*args, skip=skip)
     return getattr(module, name)(*args)
 
 
@@ -192,7 +196,7 @@ def fused_step(optimizer, p, grad, codes, absmax, group, hyper) -> bool:
     return not fused_step_many(optimizer, [(p, grad, tuple(codes), tuple(absmax), None)], group, hyper)
 
 
-def fused_step_many(optimizer, items, group, hyper) -> list:
+def fused_step_many(optimizer, items, group, hyper, skip=None) -> list:
     """The 8-bit step of many tensors that share ``group`` and ``hyper``, in one kernel call.
 
     ``items`` are ``(param, grad, codes, absmax, rounding)``: a tensor or a piece of one (a view) whose
@@ -200,7 +204,8 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
     ``(key, index of its first element in its parameter)`` for stochastic rounding. They are batched
     by device and dtypes; each batch is one call (on CPU one parallel loop over all its blocks).
     Returns the items it did not step, which the caller steps with the reference (``impl="auto"``
-    only: under ``impl="kernel"`` an item without a kernel raises).
+    only: under ``impl="kernel"`` an item without a kernel raises). ``skip`` is a CUDA step's device
+    skip flag (``optim/nonfinite.py``), which the CUDA kernels read.
     """
     rule, strict = _kernel_rule(optimizer, group, items)
     if rule is None:
@@ -240,7 +245,8 @@ def fused_step_many(optimizer, items, group, hyper) -> list:
         grads = [g if g.is_contiguous() else g.contiguous() for g in (it[1] for it in batch)]
         keys, index = _rounding_lists(batch, 4)
         _call(module, "step_many", params[0], rule, params, grads, [it[2] for it in batch], [it[3] for it in batch],
-              maps[0], maps[1], group["block_size"], dict(hyper), keys, index)
+              maps[0], maps[1], group["block_size"], dict(hyper), keys, index,
+              skip=skip if device.type == "cuda" else None)
     return rest
 
 
@@ -253,7 +259,7 @@ def _rounding_lists(items, at: int):
             [it[at][1] if it[at] is not None else 0 for it in items])
 
 
-def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
+def fused_step_fp32_many(optimizer, items, group, hyper, skip=None) -> list:
     """The same fused step for tensors whose state is float32 (``optim_bits=32`` or below
     ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`.
     Returns the items it did not step."""

@@ -200,9 +200,9 @@ def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     calls = []
     real = ops._call
 
-    def spy(module, name, *args):
+    def spy(module, name, *args, **kw):
         calls.append(name)
-        return real(module, name, *args)
+        return real(module, name, *args, **kw)
 
     monkeypatch.setattr(ops, "_call", spy)
     cls, kw = RULES[rule]

@@ -70,9 +70,9 @@ def spy_calls(monkeypatch):
     calls = []
     real = ops._call
 
-    def spy(module, name, *args):
+    def spy(module, name, *args, **kw):
         calls.append((name, len(args[2]) if name == "step_many" else 1))  # args: tensor, rule, params
-        return real(module, name, *args)
+        return real(module, name, *args, **kw)
 
     monkeypatch.setattr(ops, "_call", spy)
     return calls
@@ -213,8 +213,8 @@ def test_32bit_state_fused_step_bit_identical_to_reference(isa, rule, monkeypatc
     calls = []
     real = ops.fused_step_fp32_many
 
-    def spy(opt, items, group, h):
-        rest = real(opt, items, group, h)
+    def spy(opt, items, group, h, **kw):
+        rest = real(opt, items, group, h, **kw)
         calls.append(len(items) - len(rest))
         return rest
 

@@ -98,6 +98,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         #: a callable the DeepSpeed integration sets: the global gradient norm (over all ranks) that the
         #: engine computed for the step now running, or None where it computed none
         self.grad_norm_source: Optional[Callable[[], object]] = None
+        self._pending_skips = NF.PendingSkips()
         super().__init__(params, common)
 
     # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
@@ -107,6 +108,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         state["skipped_steps"] = self.skipped_steps
         state.pop("_layouts", None)  # rebuilt on use (a ZeRO layout holds a process group)
         state.pop("grad_norm_source", None)  # belongs to the engine that set it
+        state.pop("_pending_skips", None)  # device events
         return state
 
     def __setstate__(self, state):
@@ -120,6 +122,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             self._given_ids = set()
         self.nonfinite_checks = getattr(self, "nonfinite_checks", collections.Counter())
         self.grad_norm_source = getattr(self, "grad_norm_source", None)
+        self._pending_skips = getattr(self, "_pending_skips", NF.PendingSkips())
         super().__setstate__(state)
 
     # ------------------------------------------------------------------ checks
@@ -386,15 +389,23 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
                 work.append((group, p))
-        if self.nonfinite != "off" and not self._grads_finite(work):
-            if self.nonfinite == "raise":
-                raise FloatingPointError(
-                    f"{self.__class__.__name__}: a gradient contains NaN or Inf; nothing was updated "
-                    "(nonfinite='raise'; use 'skip' to skip such steps)"
-                )
-            NF.report_skip(self)
-            return loss
-        runner = StepRunner(self)
+        self.settle()
+        flag = None  # CUDA: the skip decision as a device tensor that the kernels read
+        if self.nonfinite != "off":
+            if NF.skip_on_device(self, work):
+                norm = self.grad_norm_source() if self.grad_norm_source is not None else None
+                self.nonfinite_checks["norm" if norm is not None else "device"] += 1
+                flag = NF.device_flag([p.grad for _, p in work], norm)
+            elif not self._grads_finite(work):
+                if self.nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"{self.__class__.__name__}: a gradient contains NaN or Inf; nothing was updated "
+                        "(nonfinite='raise'; use 'skip' to skip such steps)"
+                    )
+                NF.report_skip(self)
+                return loss
+        runner = StepRunner(self, skip=flag)
+        counters = []
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
         for group, p in work:
             layout = self.layout_of(p, group)
@@ -407,6 +418,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             if not torch.is_tensor(step_t):  # an int written by a loader
                 step_t = state["step"] = torch.tensor(float(step_t))
             step_t += 1
+            counters.append(state)
             count = int(step_t.item())
             hkey = (id(group), count)
             h = hypers.get(hkey)
@@ -416,7 +428,20 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
             seg_hyper = self._segment_hypers(p, p.grad, state, layout, group, h) if self.needs_norms else None
             runner.add(p, p.grad, state, layout, group, h, seg_hyper, sr)
         runner.run()
+        if flag is not None:
+            self._pending_skips.add(flag, counters)
         return loss
+
+    def settle(self) -> None:
+        """Take in the skip decisions of earlier CUDA steps (see ``optim/nonfinite.py``): a skipped
+        step is counted in ``skipped_steps`` and its step counts are taken back. ``step()`` and
+        ``state_dict()`` call it; call it before reading ``skipped_steps`` right after a CUDA step."""
+        if self._pending_skips.entries:
+            self._pending_skips.settle(self)
+
+    def state_dict(self) -> dict:
+        self.settle()
+        return super().state_dict()
 
     def _grads_finite(self, work) -> bool:
         """Whether every gradient on every rank is finite.

@@ -9,11 +9,16 @@ every code of that block meaningless, for good. So the step checks the gradients
 * ``"off"``: no check (saves one read of the gradients: on CPU a compiled pass, elsewhere torch's
   ``isfinite``); use it only where something upstream already skips such steps, e.g. DeepSpeed's
   fp16 loss scaler.
+
+On CUDA with ``"skip"`` the decision stays on the device: :func:`device_flag` is one int32 that the
+kernels read (non-zero: they write nothing), so the step queues its work without waiting for the
+GPU. The host learns of a skip at the next ``step()`` or ``state_dict()`` (see :class:`PendingSkips`),
+which then takes back the step counts that the skipped step had advanced.
 """
 from __future__ import annotations
 
 import warnings
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -61,3 +66,59 @@ def report_skip(optimizer) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def device_flag(grads: List[torch.Tensor], norm=None) -> torch.Tensor:
+    """One int32 on the gradients' device: 1 when a gradient on any rank holds a NaN or Inf.
+
+    ``norm`` is a global gradient norm already computed for this step (DeepSpeed's, for clipping),
+    which answers it without reading the gradients; otherwise one fused read takes each gradient's
+    L2 norm (a NaN or Inf makes it non-finite; so does a gradient whose norm overflows float32, as
+    for DeepSpeed's own check). No host synchronisation either way.
+    """
+    device = grads[0].device
+    if norm is not None:
+        norm = torch.as_tensor(norm, device=device)
+        bad = torch.logical_not(torch.isfinite(norm)).any()
+    else:
+        bad = torch.logical_not(torch.isfinite(torch.stack(torch._foreach_norm(grads)))).any()
+    flag = bad.to(torch.int32).reshape(1)
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1 and norm is None:  # a norm is global already
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return flag
+
+
+class PendingSkips:
+    """Device-side skip decisions the host has not read yet: each step's flag, copied to pinned host
+    memory behind an event, with the step counters that step advanced."""
+
+    def __init__(self):
+        self.entries = []
+
+    def add(self, flag: torch.Tensor, counters: list) -> None:
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.entries.append((host, event, counters))
+
+    def settle(self, optimizer) -> None:
+        """Read the decisions (each event finished long ago unless called right after the step) and
+        undo what a skipped step counted."""
+        entries, self.entries = self.entries, []
+        for host, event, counters in entries:
+            event.synchronize()
+            if int(host[0]):
+                for state in counters:
+                    state["step"] -= 1
+                report_skip(optimizer)
+
+
+def skip_on_device(optimizer, work) -> Optional[bool]:
+    """Whether this step's non-finite decision can stay on the device: ``"skip"`` mode, every
+    gradient a CUDA tensor, and some group using kernels."""
+    from .. import ops
+
+    return (optimizer.nonfinite == "skip" and bool(work) and all(p.grad.is_cuda for _, p in work)
+            and any(ops.group_impl(g) != "reference" for g in optimizer.param_groups))

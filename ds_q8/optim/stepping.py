@@ -74,8 +74,10 @@ def segment_values(layout: StateLayout, state: dict, si: int, maps, k: int):
 class StepRunner:
     """Collects the pieces of one ``step()`` call, then runs them (see the module doc)."""
 
-    def __init__(self, opt):
+    def __init__(self, opt, skip: Optional[torch.Tensor] = None):
         self.opt = opt
+        self.skip = skip  # CUDA: one int32 on the device, non-zero when the step must write nothing
+        self._skip_read: Optional[bool] = None
         self.k = len(opt.state_signed)
         self.eight: Dict[tuple, tuple] = {}
         self.fp32: Dict[tuple, tuple] = {}
@@ -148,14 +150,28 @@ class StepRunner:
         opt = self.opt
         # the pieces are disjoint, so the order is free: the shared pieces first, while the caches
         # still hold what their small operations use (after the big kernels they took 2-3x longer)
-        for comm, tensors in self.shared.values():
-            self._run_shared(comm, tensors)
+        if self.shared and not self._skipped():
+            for comm, tensors in self.shared.values():
+                self._run_shared(comm, tensors)
         for group, h, items in self.eight.values():
-            for item in ops.fused_step_many(opt, items, group, h):
-                opt._reference_step_8bit(*item, group, h)
+            rest = ops.fused_step_many(opt, items, group, h, skip=self.skip)
+            if rest and not self._skipped():
+                for item in rest:
+                    opt._reference_step_8bit(*item, group, h)
         for group, h, items in self.fp32.values():
-            for item in ops.fused_step_fp32_many(opt, items, group, h):
-                opt._reference_step_32bit(*item, h)
+            rest = ops.fused_step_fp32_many(opt, items, group, h, skip=self.skip)
+            if rest and not self._skipped():
+                for item in rest:
+                    opt._reference_step_32bit(*item, h)
+
+    def _skipped(self) -> bool:
+        """Whether the step is skipped, for the pure-PyTorch paths, which cannot read a device flag:
+        they wait for it once (the kernels never do)."""
+        if self.skip is None:
+            return False
+        if self._skip_read is None:
+            self._skip_read = bool(self.skip.item())
+        return self._skip_read
 
     def _run_shared(self, comm, tensors) -> None:
         """Update every shared piece, agree on the block maxima with one all-reduce MAX, quantize.
