@@ -212,6 +212,13 @@ def main(argv=None) -> dict:
     announce_deepspeed_builds(cfg)
     dist_setup.init(args.master_port, args.dist_timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # chosen before the engine exists: a checkpoint of another world size loads through its
+    # universal conversion, which the engine must be configured for
+    resume = None
+    if args.resume:
+        resume = checkpointing.resume_point(args.save_dir, world, report=None if rank == 0 else (lambda _: None))
+        if resume is not None and resume[2]:
+            cfg.setdefault("checkpoint", {})["load_universal"] = True
 
     # ---- data
     tokenizer = gpt_data.make_tokenizer(args.tokenizer)
@@ -237,9 +244,10 @@ def main(argv=None) -> dict:
     # ---- resume or start fresh
     start_step = 0
     if args.resume:
-        found = checkpointing.latest_complete(args.save_dir, report=None if rank == 0 else (lambda _: None))
-        if found is not None:
-            tag, _ = found
+        if resume is not None:
+            tag, _, universal = resume
+            if universal and rank == 0:
+                print(f"--resume: {tag}, converted from a checkpoint of another world size, at {world} rank(s)")
             _, client = engine.load_checkpoint(args.save_dir, tag=tag)
             if client.get("seed") != args.seed:
                 raise SystemExit(f"--seed {args.seed} differs from the checkpoint's seed {client.get('seed')}; "
