@@ -143,6 +143,7 @@ up() {
   install_tools
   down  # start from nothing, whatever an earlier run left
   trap 'echo "local_cluster.sh: up failed, removing what it made" >&2; down' ERR
+  trap 'echo "local_cluster.sh: up interrupted, removing what it made" >&2; down; exit 130' INT TERM
   mkdir -p -m 700 "$STATE"
   if [[ ! -d /run/sshd ]]; then mkdir -p -m 755 /run/sshd; touch "$STATE/made_run_sshd"; fi
   ssh-keygen -q -t ed25519 -N '' -C ds_q8-local-cluster -f "$STATE/id_ed25519"
@@ -175,7 +176,7 @@ up() {
   done
   for host in "${HOSTS[@]}"; do echo "$host slots=1"; done >"$STATE/hostfile"
   write_env_file
-  trap - ERR
+  trap - ERR INT TERM
   echo "cluster up: ${HOSTS[0]} ${ADDRS[0]}, ${HOSTS[1]} ${ADDRS[1]}; hostfile $STATE/hostfile, env file $STATE/deepspeed_env"
 }
 

@@ -83,8 +83,9 @@ def cluster(tmp_path_factory):
         yield STATE
     finally:
         run(["bash", CLUSTER, "down"], check=False, timeout=120)
-        assert not any(h in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-                       for h in HOSTS), "local_cluster.sh down left a namespace"
+        left = [h for h in HOSTS if h in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout]
+        left += [str(p) for p in [STATE] + [Path("/etc/netns") / h for h in HOSTS] if p.exists()]
+        assert not left, f"local_cluster.sh down left {left}"
         (tmp_path_factory.getbasetemp() / "multinode_times.json").write_text(json.dumps(TIMES, indent=2) + "\n")
 
 
@@ -245,3 +246,11 @@ def test_resume_on_one_host_is_lossless(lost_host, tmp_path):
     got = metrics(d)
     assert [r["step"] for r in got] == list(range(1, step + RESUMED + 1))
     assert [r["loss"] for r in got[step:]] == [r["loss"] for r in want[step:]]
+
+
+def test_cluster_script_rejects_bad_commands():
+    cases = [(["bogus"], "up|down|status|exec"), (["exec", "dsq8-h3", "true"], "HOST must be one of dsq8-h1 dsq8-h2"),
+             (["exec", "dsq8-h1"], "usage: exec HOST COMMAND")]
+    for args, message in cases:
+        proc = run(["bash", CLUSTER, *args], check=False, timeout=60)
+        assert proc.returncode == 2 and message in proc.stderr, (args, proc.stderr)
