@@ -114,7 +114,7 @@ def timed_run(name, cmd, **kw):
 def one_host_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("one_host")
     timed_run("one host, 2 ranks", [LAUNCH / "run_single_node.sh", "--save_dir", d, *ARGS], timeout=600,
-              extra_env={"NUM_GPUS": "2", "MASTER_PORT": "29651"})
+              extra_env=dict(_cluster_env(), NUM_GPUS="2", MASTER_PORT="29651"))
     return d
 
 
@@ -238,7 +238,7 @@ def test_resume_on_one_host_is_lossless(lost_host, tmp_path):
     # the same path without the loss: 2 ranks to the same step (one host), converted, 1 rank on
     ref = tmp_path / "ref"
     run([LAUNCH / "run_single_node.sh", "--save_dir", ref, *LONG, "--stop_at", str(step)], threads=1, timeout=600,
-        extra_env={"NUM_GPUS": "2", "MASTER_PORT": "29659"})
+        extra_env=dict(_cluster_env(), NUM_GPUS="2", MASTER_PORT="29659"))
     run([sys.executable, "-m", "ds_q8.checkpoint", "to-universal", ref / tag, ref / f"{tag}_universal"], timeout=600)
     run(_resume_one_rank(ref, step + RESUMED), threads=1, timeout=600)
     want = metrics(ref)
