@@ -21,6 +21,8 @@ from typing import Optional, Tuple
 
 MARKER = "complete.json"
 _TAG = re.compile(r"^step(\d+)$")
+#: ``python -m ds_q8.checkpoint to-universal SAVE_DIR/stepN SAVE_DIR/stepN_universal`` names its output so
+UNIVERSAL_SUFFIX = "_universal"
 
 
 def tag_for(step: int) -> str:
@@ -104,6 +106,29 @@ def latest_complete(save_dir: str, report=None) -> Optional[Tuple[str, int]]:
     return None
 
 
+def resume_point(save_dir: str, world: int, report=None) -> Optional[Tuple[str, int, bool]]:
+    """(tag to load, step, universal) for resuming ``save_dir`` at ``world`` ranks, or None.
+
+    The newest complete checkpoint is loaded as it is when it was written at this world size. One
+    written at another world size is loaded from its universal conversion ``<tag>_universal`` (with
+    ``"checkpoint": {"load_universal": true}``); without one, SystemExit names the command that makes it.
+    """
+    found = latest_complete(save_dir, report)
+    if found is None:
+        return None
+    tag, step = found
+    folder = Path(save_dir) / tag
+    saved = json.loads((folder / MARKER).read_text()).get("world_size")
+    if saved is None or saved == world:
+        return tag, step, False
+    universal = Path(save_dir) / (tag + UNIVERSAL_SUFFIX)
+    if not universal.is_dir():
+        raise SystemExit(f"--resume: the last complete checkpoint {folder} was written by {saved} rank(s) and this "
+                         f"run has {world}. Convert it once, then resume again:\n"
+                         f"  python -m ds_q8.checkpoint to-universal {folder} {universal}")
+    return universal.name, step, True
+
+
 def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
@@ -119,7 +144,8 @@ def clear_run(save_dir: str, extra=("latest", "metrics.jsonl", "summary.json", "
     if not root.is_dir():
         return
     for d in root.iterdir():
-        if (_TAG.match(d.name) and d.is_dir()) or d.name in extra:
+        name = d.name[:-len(UNIVERSAL_SUFFIX)] if d.name.endswith(UNIVERSAL_SUFFIX) else d.name
+        if (_TAG.match(name) and d.is_dir()) or d.name in extra:
             if d.is_dir():
                 shutil.rmtree(d)
             else:

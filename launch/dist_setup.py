@@ -37,7 +37,44 @@ def init(master_port: int = None, timeout_s: int = DEFAULT_TIMEOUT_S) -> None:
     port = master_port or int(os.environ.get("MASTER_PORT", 29500))
     # gloo applies the process group's timeout to every collective: a rank that died or hangs
     # makes the others fail after timeout_s instead of waiting forever
-    deepspeed.init_distributed(distributed_port=port, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # ...but only the default group gets it: the groups DeepSpeed makes later (ZeRO's data-parallel
+    # group, where gradients are reduced) take torch's default of 30 minutes. Seen: a host lost
+    # during backward left the survivor waiting there long after timeout_s. Make it their default.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    deepspeed.init_distributed(distributed_port=port, timeout=timeout)
+
+
+def hostnames() -> list:
+    """Every rank's hostname, in rank order (one entry without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [socket.gethostname()]
+    names = [None] * dist.get_world_size()
+    dist.all_gather_object(names, socket.gethostname())
+    return names
+
+
+# what gloo says when a peer process died (connection closed/reset) or stopped answering (timeout)
+_PEER_FAILURE = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Connection refused",
+                 "No route to host", "Broken pipe")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank or its host went away."""
+    import torch.distributed as dist
+
+    return isinstance(e, (RuntimeError, dist.DistError)) and any(s in str(e) for s in _PEER_FAILURE)
+
+
+def peer_failure_message(e: BaseException, timeout_s: int) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (f"rank {os.environ.get('RANK', '?')} on host {socket.gethostname()}: lost contact with the other ranks "
+            f"({first.strip()}). Another rank, its host or the network to it is gone; a rank waits at most "
+            f"--dist_timeout={timeout_s} s in a collective")
 
 
 def barrier() -> None:

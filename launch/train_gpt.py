@@ -212,6 +212,13 @@ def main(argv=None) -> dict:
     announce_deepspeed_builds(cfg)
     dist_setup.init(args.master_port, args.dist_timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # chosen before the engine exists: a checkpoint of another world size loads through its
+    # universal conversion, which the engine must be configured for
+    resume = None
+    if args.resume:
+        resume = checkpointing.resume_point(args.save_dir, world, report=None if rank == 0 else (lambda _: None))
+        if resume is not None and resume[2]:
+            cfg.setdefault("checkpoint", {})["load_universal"] = True
 
     # ---- data
     tokenizer = gpt_data.make_tokenizer(args.tokenizer)
@@ -237,9 +244,10 @@ def main(argv=None) -> dict:
     # ---- resume or start fresh
     start_step = 0
     if args.resume:
-        found = checkpointing.latest_complete(args.save_dir, report=None if rank == 0 else (lambda _: None))
-        if found is not None:
-            tag, _ = found
+        if resume is not None:
+            tag, _, universal = resume
+            if universal and rank == 0:
+                print(f"--resume: {tag}, converted from a checkpoint of another world size, at {world} rank(s)")
             _, client = engine.load_checkpoint(args.save_dir, tag=tag)
             if client.get("seed") != args.seed:
                 raise SystemExit(f"--seed {args.seed} differs from the checkpoint's seed {client.get('seed')}; "
@@ -304,6 +312,7 @@ def main(argv=None) -> dict:
     opt_bytes = optimizer_state_bytes(innermost_optimizer(engine))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     total_opt_bytes, rss_sum = all_reduce_sum([opt_bytes, peak_rss], device)
+    hosts = dist_setup.hostnames()
     steady = step_times[1:] or step_times  # the first step pays for lazy state and warm-up
     summary = dict(
         model=args.model, n_params=n_params, world_size=world, config=str(args.deepspeed_config),
@@ -312,7 +321,7 @@ def main(argv=None) -> dict:
         mean_step_time_s=sum(steady) / len(steady) if steady else None,
         tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else None,
         optimizer_state_bytes=int(total_opt_bytes), optimizer_state_bytes_rank0=opt_bytes,
-        peak_rss_bytes_rank0=peak_rss, peak_rss_bytes_sum=int(rss_sum),
+        peak_rss_bytes_rank0=peak_rss, peak_rss_bytes_sum=int(rss_sum), hosts=hosts,
     )
     if torch.cuda.is_available():
         summary["peak_device_bytes_rank0"] = torch.cuda.max_memory_allocated()
@@ -324,5 +333,25 @@ def main(argv=None) -> dict:
     return summary
 
 
+def cli() -> None:
+    """main() for the command line: a failed collective ends the rank at once with a message that says
+    what happened and where to continue, not only gloo's traceback."""
+    try:
+        main()
+    except Exception as e:  # noqa: BLE001  (anything else is re-raised as it is)
+        if not dist_setup.is_peer_failure(e):
+            raise
+        import traceback
+
+        traceback.print_exc()
+        args = parse_args()
+        found = checkpointing.latest_complete(args.save_dir, report=lambda _: None)
+        where = (f"the last complete checkpoint is {Path(args.save_dir) / found[0]}; continue with --resume "
+                 f"(on fewer ranks too)" if found else f"no complete checkpoint in {args.save_dir} yet")
+        print(dist_setup.peer_failure_message(e, args.dist_timeout) + f"; {where}", file=sys.stderr, flush=True)
+        # exit now: gloo's teardown can wait on the lost peer's sockets
+        os._exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    cli()
