@@ -42,8 +42,12 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
     module = b.load()
     assert set(module.rules()) == {"adam", "adamw", "momentum", "rmsprop", "rmsprop_momentum", "adagrad", "lamb",
                                    "lars", "lion"}
+    # the table, then the segment search's tables (512 bytes) and a word saying they are usable
+    table_size = 0xC000 - 0x3FFF + 1
     lookup = module.build_lookup(F.create_dynamic_map(True))
-    assert lookup.dtype == torch.int32 and lookup.numel() == 0xC000 - 0x3FFF + 1
+    assert lookup.dtype == torch.int32 and lookup.numel() == table_size + 512 // 4 + 1
+    assert lookup[-1].item() == (0 if os.environ.get("DS_Q8_FAST_SEARCH") == "0" else 1)
+    assert module.build_lookup(F.create_linear_map(signed=True))[-1].item() == 0  # no zero entry: no search
     assert module.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
                                "max_states": F.MAX_STATES}
 

@@ -1,6 +1,8 @@
 // Torch binding of the CUDA kernels: argument checks, then the launchers in q8_cuda_kernels.cu.
 #include <torch/extension.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -24,8 +26,25 @@ void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const tor
     binding::check_code(code);
     if (lookup) {
         check_cuda(*lookup, "lookup", device);
-        binding::check_lookup(*lookup);
+        TORCH_CHECK_VALUE(lookup->scalar_type() == torch::kInt32 && lookup->numel() == kDeviceLookupSize,
+                          "lookup must come from this op's build_lookup (", kDeviceLookupSize, " int32), got ",
+                          lookup->numel(), " of ", lookup->scalar_type());
     }
+}
+
+// The lookup tensor of a map (CPU in and out; see kDeviceLookupSize): the table, then the segment
+// search's tables when the map has them and DS_Q8_FAST_SEARCH is not 0.
+torch::Tensor build_lookup(const torch::Tensor& code) {
+    const torch::Tensor table = binding::build_lookup(code);  // checks the map
+    auto out = torch::zeros({kDeviceLookupSize}, torch::kInt32);
+    out.narrow(0, 0, kLookupSize).copy_(table);
+    const char* env = std::getenv("DS_Q8_FAST_SEARCH");
+    FastMap fast;
+    if (!(env && std::string(env) == "0") && q8_build_fastmap(code.data_ptr<float>(), &fast)) {
+        std::memcpy(out.data_ptr<int32_t>() + kLookupSize, &fast, sizeof(FastMap));
+        out.data_ptr<int32_t>()[kLookupSize + kFastWords] = 1;
+    }
+    return out;
 }
 
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
@@ -125,7 +144,8 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
-    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
+    m.def("build_lookup", &ds_q8::build_lookup,
+          "nearest-code lookup table and segment-search tables of a 256-entry map (CPU tensors)");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
     m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors from one call, in place");

@@ -8,7 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/q8_fastmap.h"
+
 namespace ds_q8 {
+
+// The lookup tensor of the CUDA op (its build_lookup): the q8_build_lookup table, then the map's
+// segment-search tables (a FastMap, kFastWords words, copied into shared memory by the kernels),
+// then one word that is 1 when that FastMap is usable (0: the table answers every value).
+constexpr int kDeviceLookupSize = kLookupSize + kFastWords + 1;
 
 struct StepTensors {
     std::string rule;
@@ -21,7 +28,7 @@ struct StepTensors {
 };
 
 void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);
-// the map itself is not needed: the lookup table (built from it) gives each value's nearest entry
+// the map itself is not needed: the lookup tensor (built from it) gives each value's nearest entry
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
                    int64_t block_size);
 void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code, at::Tensor& out,

@@ -5,8 +5,9 @@
 // elements is handled by T = block_size / 8 threads and a CUDA block of max(T, 256) threads holds
 // one or more whole quantization blocks. The state never leaves registers: dequantize, update,
 // reduce the new absmax across the T threads (warp shuffles, then shared memory when T > 32),
-// requantize and store. Maps live in shared memory; the nearest-code lookup table (128 KiB,
-// read-only, concentrated on few entries) is read through the read-only cache.
+// requantize and store. Maps live in shared memory, and so do the tables of the nearest-code
+// segment search (q8_fastmap.h); the 192 KiB lookup table answers only what the search leaves
+// ambiguous, through the read-only cache.
 //
 // Compiled with -fmad=false and without fast-math so that every operation rounds like torch's.
 #include <ATen/ATen.h>
@@ -175,8 +176,23 @@ __device__ __forceinline__ float qblock_absmax(float local, int T, float* red) {
     return m;
 }
 
-__device__ __forceinline__ uint32_t quantize_one(float x, float scale, const uint32_t* lookup) {
-    return q8_quantize_scaled(x * scale, lookup);
+// ------------------------------------------------------------------ nearest code
+// The segment search of q8_fastmap.h (the function the CPU's scalar driver runs) with its tables in
+// shared memory; values it cannot place exactly, and maps without the tables, go to the lookup table.
+// `lookup` is a lookup tensor of kDeviceLookupSize words (see q8_cuda_api.h).
+// Copies a map's FastMap into shared memory (every thread of the CUDA block takes part; the caller
+// synchronizes) and returns whether the map has one (uniform across the grid).
+__device__ __forceinline__ bool load_search(const uint32_t* lookup, FastMap& dst) {
+    const uint32_t* src = lookup + kLookupSize;
+    uint32_t* words = reinterpret_cast<uint32_t*>(&dst);
+    for (int i = threadIdx.x; i < kFastWords; i += blockDim.x) words[i] = src[i];
+    return __ldg(src + kFastWords) != 0u;
+}
+
+__device__ __forceinline__ uint32_t quantize_one(float x, float scale, bool fast, const FastMap& map,
+                                                 const uint32_t* lookup) {
+    const float y = x * scale;
+    return fast ? q8_quantize_fast(y, map, lookup) : q8_quantize_scaled(y, lookup);
 }
 
 // ------------------------------------------------------------------ fused step
@@ -199,12 +215,16 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
                             int64_t sr_index, Rule rule) {
     constexpr int K = Rule::kStates;
     __shared__ float s_code[K][256];
+    __shared__ FastMap s_fast[K];
     __shared__ float red[1024 / 32];
+    bool fast[K];
     // k is a constant in each unrolled copy: a kernel parameter indexed by a variable would be
     // copied to the stack
 #pragma unroll
-    for (int k = 0; k < K; ++k)
+    for (int k = 0; k < K; ++k) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[k][i] = st.code[k][i];
+        fast[k] = load_search(st.lookup[k], s_fast[k]);
+    }
     __syncthreads();
 
     const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / T) + threadIdx.x / T;
@@ -254,7 +274,7 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
         const float scale = q8_block_scale(absmax);
         uint32_t idx[kElems];
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, st.lookup[k]);
+        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], st.lookup[k]);
         store_bits8(st.codes[k] + start, idx, cnt, al.codes);
     }
 }
@@ -265,6 +285,9 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ c
                                 const uint32_t* __restrict__ lookup, int64_t numel, int block_size, int Tq,
                                 int x_align, int codes_align) {
     __shared__ float red[1024 / 32];
+    __shared__ FastMap s_fast;
+    const bool fast = load_search(lookup, s_fast);
+    __syncthreads();
     const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / Tq) + threadIdx.x / Tq;
     const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % Tq) * kElems;
     const int64_t nb = (numel + block_size - 1) / block_size;
@@ -284,7 +307,7 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ c
     const float scale = q8_block_scale(am);
     uint32_t idx[kElems];
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, lookup);
+    for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, fast, s_fast, lookup);
     store_bits8(codes + start, idx, cnt, codes_align);
 }
 
