@@ -18,6 +18,7 @@ import warnings
 from typing import Dict, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import functional as F
 
@@ -25,7 +26,7 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 _modules: Dict[str, object] = {}
 _PREBUILT = {"cpu": "_q8_cpu", "cuda": "_q8_cuda"}  # the op builders' names, as setup.py prebuilds them
-_lookups: Dict[tuple, tuple] = {}
+_lookups = WeakIdKeyDictionary()  # map tensor -> {id(module): (map version, lookup table)}
 _warned: set = set()
 
 
@@ -79,14 +80,23 @@ def cpu_isa(module) -> str:
 
 
 def _lookup(code: torch.Tensor, module) -> torch.Tensor:
-    """The nearest-code table of a map, built once per map tensor (kept alive with it)."""
-    key = (str(code.device), code.data_ptr(), code._version)
-    hit = _lookups.get(key)
-    if hit is None:
+    """The nearest-code table of a map, built once per map tensor and per module and dropped with the
+    map (the cache holds the map weakly; an in-place change of the map rebuilds it)."""
+    per_map = _lookups.get(code)
+    if per_map is None:
+        per_map = _lookups[code] = {}
+    hit = per_map.get(id(module))
+    if hit is None or hit[0] != code._version:
         table = module.build_lookup(code.detach().to("cpu", torch.float32).contiguous()).to(code.device)
-        hit = (code, table)
-        _lookups[key] = hit
+        hit = per_map[id(module)] = (code._version, table)
     return hit[1]
+
+
+def _default_map(device) -> torch.Tensor:
+    """The signed dynamic map on ``device``: the optimizers' cached one, so its table is built once."""
+    from .optim.base import get_map  # the optimizers import this module
+
+    return get_map("dynamic", True, device)
 
 
 def _op_for(t: torch.Tensor):
@@ -180,35 +190,37 @@ def _rounding_lists(items, at: int):
 
 
 def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
-    """The same fused step for CPU tensors whose state is float32 (``optim_bits=32`` or below
-    ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`.
-    Returns the items it did not step."""
+    """The same fused step for tensors whose state is float32 (``optim_bits=32`` or below
+    ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`
+    (by device and dtypes; on CUDA one launch per list of tensors). Returns the items it did not step."""
     rule = getattr(optimizer, "update_rule", "")
     if not rule or not kernels_enabled():
-        return list(items)
-    module = load_op("cpu")
-    if module is None or rule not in module.rules():
         return list(items)
     batches: Dict[tuple, tuple] = {}
     rest = []
     for item in items:
         p, grad, states, _ = item
-        pd, gd = p.dtype, grad.dtype
-        if (not p.is_cpu or not grad.is_cpu or pd not in _SUPPORTED or (gd is not pd and gd is not torch.float32)
-                or not p.is_contiguous() or not all(s.is_contiguous() for s in states)):
+        pd, gd, cuda = p.dtype, grad.dtype, p.is_cuda
+        if ((not cuda and not p.is_cpu) or grad.is_cuda is not cuda or pd not in _SUPPORTED
+                or (gd is not pd and gd is not torch.float32) or not p.is_contiguous()
+                or not all(s.is_contiguous() and s.device == p.device for s in states)):
             rest.append(item)
             continue
-        batch = batches.get((pd, gd))
+        key = (p.get_device() if cuda else -1, pd, gd)
+        batch = batches.get(key)
         if batch is None:
-            batch = batches[(pd, gd)] = ([], [], [], [])
+            batch = batches[key] = ([], [], [], [])
         batch[0].append(p)
         batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
         batch[2].append(states)
         batch[3].append(item)
-    isa = cpu_isa(module) if batches else None
     for params, grads, states, batch_items in batches.values():
+        module = load_op(params[0].device.type)
+        if module is None or rule not in module.rules():
+            rest.extend(batch_items)
+            continue
         keys, index = _rounding_lists(batch_items, 3)
-        module.step_fp32_many(isa, rule, params, grads, states, dict(hyper), keys, index)
+        _call(module, "step_fp32_many", params[0], rule, params, grads, states, dict(hyper), keys, index)
     return rest
 
 
@@ -240,7 +252,7 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
     F.check_block_size(block_size)
     if x.dtype not in _SUPPORTED:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    code = F._check_code(code, x.device)
+    code = F._check_code(_default_map(x.device) if code is None else code, x.device)
     flat = x.detach().reshape(-1).contiguous()
     codes, absmax = _call(module, "quantize", x, flat, code, _lookup(code, module), block_size)
     # a block's absmax is NaN or Inf exactly when the block holds one: a check on 1/block_size of the data

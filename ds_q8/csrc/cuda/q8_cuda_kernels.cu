@@ -195,42 +195,94 @@ __device__ __forceinline__ uint32_t quantize_one(float x, float scale, bool fast
     return fast ? q8_quantize_fast(y, map, lookup) : q8_quantize_scaled(y, lookup);
 }
 
-// ------------------------------------------------------------------ fused step
-template <int K>
-struct StepPointers {
-    uint8_t* codes[2];
-    float* absmax[2];
-    const float* code[2];
-    const uint32_t* lookup[2];
+// ------------------------------------------------------------------ tensor lists
+// A step launch covers up to kListTensors tensors, as torch's multi_tensor_apply does: the
+// per-tensor pointers travel in the kernel's parameter block (__grid_constant__, so that indexing
+// it by the CTA's tensor reads the parameter space instead of copying it to the stack), each tensor
+// owns a contiguous range of CTAs, and a CTA finds its tensor by binary search over first_cta.
+constexpr int kListTensors = 36;
+
+struct StepSlot {
+    void* param;
+    const void* grad;
+    void* state[Q8_MAX_STATES];  // uint8 codes, or float32 states for the fp32-state kernel
+    float* absmax[Q8_MAX_STATES];
+    int64_t numel;
+    int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
+    uint32_t sr_key;
+    int32_t align_param, align_grad, align_state;  // byte alignments, capped at 16 (load_words)
 };
 
-// Byte alignments (capped at 16) of one tensor's streams: see load_words.
-struct Alignment {
-    int param, grad, codes;
+struct StepList {
+    const float* code[Q8_MAX_STATES];       // 8-bit states: the maps
+    const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors
+    const int32_t* skip;                    // null, or a device flag: non-zero means write nothing
+    int32_t block_size, threads_per_qblock, count;
+    bool stochastic;
+    int32_t first_cta[kListTensors + 1];
+    StepSlot slot[kListTensors];
 };
+static_assert(sizeof(StepList) + 64 <= 4000, "a StepList (and the rule) must fit the 4 KiB parameter block");
 
+// The tensor of this CTA: the last t with first_cta[t] <= blockIdx.x (uniform across the CTA).
+__device__ __forceinline__ int list_tensor(const StepList& list) {
+    int lo = 0, hi = list.count - 1;
+    const int b = (int)blockIdx.x;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (list.first_cta[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Whether the step is to be skipped (a non-finite gradient found on the device): then no thread
+// writes anything. The same answer for every thread of the grid.
+__device__ __forceinline__ bool list_skipped(const StepList& list) {
+    return list.skip != nullptr && *list.skip != 0;
+}
+
+// The rule on each of the 8 values (its states s[k][i]); lanes past the tensor's end compute on zeros
+// and are never stored.
+template <class Rule, int K>
+__device__ __forceinline__ void apply_rule(const Rule& rule, float (&p)[kElems], const float (&g)[kElems],
+                                           float (&s)[K][kElems]) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        float sv[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) sv[k] = s[k][i];
+        rule(p[i], g[i], sv);
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k][i] = sv[k];
+    }
+}
+
+// ------------------------------------------------------------------ fused 8-bit step
 template <class Rule, class P, class G>
-__global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, StepPointers<Rule::kStates> st,
-                            int64_t numel, int block_size, int T, Alignment al, bool stochastic, uint32_t sr_key,
-                            int64_t sr_index, Rule rule) {
+__global__ void step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
+    if (list_skipped(list)) return;
     __shared__ float s_code[K][256];
     __shared__ FastMap s_fast[K];
     __shared__ float red[1024 / 32];
     bool fast[K];
-    // k is a constant in each unrolled copy: a kernel parameter indexed by a variable would be
-    // copied to the stack
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[k][i] = st.code[k][i];
-        fast[k] = load_search(st.lookup[k], s_fast[k]);
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[k][i] = list.code[k][i];
+        fast[k] = load_search(list.lookup[k], s_fast[k]);
     }
     __syncthreads();
 
-    const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / T) + threadIdx.x / T;
+    const int t = list_tensor(list);
+    const StepSlot& a = list.slot[t];
+    P* param = static_cast<P*>(a.param);
+    const G* grad = static_cast<const G*>(a.grad);
+    const int T = list.threads_per_qblock, block_size = list.block_size;
+    const int64_t numel = a.numel;
+    const int64_t qblock = (int64_t)(blockIdx.x - list.first_cta[t]) * (blockDim.x / T) + threadIdx.x / T;
     const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % T) * kElems;
-    const int64_t nb = (numel + block_size - 1) / block_size;
-    const bool live = qblock < nb && start < numel;
+    const bool live = start < numel;  // the last CTA of a tensor may hold blocks past its end
     const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
 
     float p[kElems], g[kElems], s[K][kElems];
@@ -241,26 +293,18 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
         for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
     }
     if (live) {
-        load8(param + start, p, cnt, al.param);
-        load8(grad + start, g, cnt, al.grad);
+        load8(param + start, p, cnt, a.align_param);
+        load8(grad + start, g, cnt, a.align_grad);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             uint32_t c[kElems];
-            load_bits8(st.codes[k] + start, c, cnt, al.codes);
-            const float am = st.absmax[k][qblock];
+            load_bits8(static_cast<const uint8_t*>(a.state[k]) + start, c, cnt, a.align_state);
+            const float am = a.absmax[k][qblock];
 #pragma unroll
             for (int i = 0; i < kElems; ++i) s[k][i] = s_code[k][c[i]] * am;
         }
-#pragma unroll
-        for (int i = 0; i < kElems; ++i) {
-            float sv[K];
-#pragma unroll
-            for (int k = 0; k < K; ++k) sv[k] = s[k][i];
-            rule(p[i], g[i], sv);
-#pragma unroll
-            for (int k = 0; k < K; ++k) s[k][i] = sv[k];
-        }
-        store8(param + start, p, cnt, al.param, stochastic, sr_key, sr_index + start);
+        apply_rule(rule, p, g, s);
+        store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -268,15 +312,41 @@ __global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, S
 #pragma unroll
         for (int i = 0; i < kElems; ++i)
             if (i < cnt) local = q8_absmax_step(local, s[k][i]);
-        const float absmax = qblock_absmax(local, T, red);
+        const float absmax = qblock_absmax(local, T, red);  // every thread takes part (shuffles, barriers)
         if (!live) continue;
-        if (threadIdx.x % T == 0) st.absmax[k][qblock] = absmax;
+        if (threadIdx.x % T == 0) a.absmax[k][qblock] = absmax;
         const float scale = q8_block_scale(absmax);
         uint32_t idx[kElems];
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], st.lookup[k]);
-        store_bits8(st.codes[k] + start, idx, cnt, al.codes);
+        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], list.lookup[k]);
+        store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
     }
+}
+
+// ------------------------------------------------------------------ fused step on float32 states
+// The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): 8 values per
+// thread, kFp32Threads threads per CTA, no maps and no block maxima.
+constexpr int kFp32Threads = 256;
+
+template <class Rule, class P, class G>
+__global__ void step_fp32_kernel(const __grid_constant__ StepList list, const Rule rule) {
+    constexpr int K = Rule::kStates;
+    if (list_skipped(list)) return;
+    const int t = list_tensor(list);
+    const StepSlot& a = list.slot[t];
+    const int64_t start = ((int64_t)(blockIdx.x - list.first_cta[t]) * blockDim.x + threadIdx.x) * kElems;
+    if (start >= a.numel) return;
+    const int cnt = (int)(a.numel - start < kElems ? a.numel - start : kElems);
+    P* param = static_cast<P*>(a.param);
+    float p[kElems], g[kElems], s[K][kElems];
+    load8(param + start, p, cnt, a.align_param);
+    load8(static_cast<const G*>(a.grad) + start, g, cnt, a.align_grad);
+#pragma unroll
+    for (int k = 0; k < K; ++k) load8(static_cast<const float*>(a.state[k]) + start, s[k], cnt, a.align_state);
+    apply_rule(rule, p, g, s);
+    store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
+#pragma unroll
+    for (int k = 0; k < K; ++k) store8(static_cast<float*>(a.state[k]) + start, s[k], cnt, a.align_state);
 }
 
 // ------------------------------------------------------------------ (de)quantize
@@ -339,60 +409,113 @@ int alignment(const void* p) {
 
 int min_alignment(int a, int b) { return a < b ? a : b; }
 
-template <class Rule, class P, class G>
-void launch_step(const StepTensors& t, const Rule& rule) {
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Launches one kernel per kListTensors tensors of the batch (tensors without elements are left
+// out). `ctas_of(t)` is the number of CTAs of tensor t, `fill(slot, t)` its slot beyond the pointers
+// common to both kernels.
+template <class Kernel, class Rule, class Ctas>
+void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& rule, int threads, Ctas ctas_of) {
     constexpr int K = Rule::kStates;
-    const int64_t n = t.param.numel();
-    const Geometry geo = geometry(n, t.block_size);
-    StepPointers<K> st{};
-    Alignment al{alignment(t.param.data_ptr()), alignment(t.grad.data_ptr()), 16};
-    for (int k = 0; k < K; ++k) {
-        st.codes[k] = t.states[k].data_ptr<uint8_t>();
-        st.absmax[k] = t.absmax[k].data_ptr<float>();
-        st.code[k] = t.maps[k].data_ptr<float>();
-        st.lookup[k] = reinterpret_cast<const uint32_t*>(t.lookups[k].data_ptr<int32_t>());
-        al.codes = min_alignment(al.codes, alignment(st.codes[k]));
-    }
     auto stream = c10::cuda::getCurrentCUDAStream();
-    step_kernel<Rule, P, G><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(
-        reinterpret_cast<P*>(t.param.data_ptr()), reinterpret_cast<const G*>(t.grad.data_ptr()), st, n,
-        (int)t.block_size, geo.threads_per_qblock, al, t.stochastic, t.sr_key, t.sr_index, rule);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const size_t n = b.params.size();
+    size_t t = 0;
+    while (t < n) {
+        list.count = 0;
+        int64_t ctas = 0;
+        for (; t < n && list.count < kListTensors; ++t) {
+            const int64_t numel = b.params[t].numel();
+            if (numel == 0) continue;
+            const int64_t c = ctas_of(numel);
+            TORCH_CHECK_VALUE(c < INT32_MAX, "tensor ", t, " (", numel, " elements) needs more CUDA blocks than one "
+                              "launch holds");
+            if (ctas + c > INT32_MAX) break;  // the next launch takes it
+            StepSlot& s = list.slot[list.count];
+            s = StepSlot{};
+            s.param = b.params[t].data_ptr();
+            s.grad = b.grads[t].data_ptr();
+            s.numel = numel;
+            s.align_param = alignment(s.param);
+            s.align_grad = alignment(s.grad);
+            s.align_state = 16;
+            for (int k = 0; k < K; ++k) {
+                s.state[k] = b.states[t][k].data_ptr();
+                s.align_state = min_alignment(s.align_state, alignment(s.state[k]));
+                if (!b.absmax.empty()) s.absmax[k] = b.absmax[t][k].data_ptr<float>();
+            }
+            if (b.stochastic) {
+                s.sr_key = (uint32_t)b.sr_keys[t];
+                s.sr_index = b.sr_index[t];
+            }
+            list.first_cta[list.count++] = (int32_t)ctas;
+            ctas += c;
+        }
+        if (list.count == 0) continue;
+        list.first_cta[list.count] = (int32_t)ctas;
+        kernel<<<(unsigned)ctas, threads, 0, stream>>>(list, rule);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+}
+
+template <class Rule, class P, class G>
+void launch_step(const StepBatch& b, const Rule& rule) {
+    constexpr int K = Rule::kStates;
+    StepList list{};
+    list.skip = b.skip;
+    list.stochastic = b.stochastic;
+    if (b.fp32_states) {
+        const int64_t per_cta = (int64_t)kFp32Threads * kElems;
+        launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kFp32Threads,
+                     [per_cta](int64_t numel) { return ceil_div(numel, per_cta); });
+        return;
+    }
+    const Geometry geo = geometry(1, b.block_size);
+    list.block_size = (int32_t)b.block_size;
+    list.threads_per_qblock = geo.threads_per_qblock;
+    for (int k = 0; k < K; ++k) {
+        list.code[k] = b.maps[k].data_ptr<float>();
+        list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
+    }
+    const int64_t bs = b.block_size, qpc = geo.qblocks_per_cta;
+    launch_lists(b, list, step_kernel<Rule, P, G>, rule, geo.threads,
+                 [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
 }
 
 template <class Rule>
-bool launch_dtypes(const StepTensors& t, const Rule& rule) {
-    const auto p = t.param.scalar_type(), g = t.grad.scalar_type();
+bool launch_dtypes(const StepBatch& b, const Rule& rule) {
+    const auto p = b.params[0].scalar_type(), g = b.grads[0].scalar_type();
     const auto f32 = at::kFloat, f16 = at::kHalf, bf16 = at::kBFloat16;
-    if (p == f32 && g == f32) return launch_step<Rule, float, float>(t, rule), true;
-    if (p == f16 && g == f16) return launch_step<Rule, q8_half, q8_half>(t, rule), true;
-    if (p == bf16 && g == bf16) return launch_step<Rule, q8_bf16, q8_bf16>(t, rule), true;
-    if (p == f16 && g == f32) return launch_step<Rule, q8_half, float>(t, rule), true;
-    if (p == bf16 && g == f32) return launch_step<Rule, q8_bf16, float>(t, rule), true;
+    if (p == f32 && g == f32) return launch_step<Rule, float, float>(b, rule), true;
+    if (p == f16 && g == f16) return launch_step<Rule, q8_half, q8_half>(b, rule), true;
+    if (p == bf16 && g == bf16) return launch_step<Rule, q8_bf16, q8_bf16>(b, rule), true;
+    if (p == f16 && g == f32) return launch_step<Rule, q8_half, float>(b, rule), true;
+    if (p == bf16 && g == f32) return launch_step<Rule, q8_bf16, float>(b, rule), true;
     return false;
 }
 
 }  // namespace
 
-void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper) {
-    if (t.param.numel() == 0) return;
-    const c10::cuda::CUDAGuard guard(t.param.device());
+void cuda_step_many(const StepBatch& b, const std::map<std::string, double>& hyper) {
+    if (b.params.empty()) return;
+    const c10::cuda::CUDAGuard guard(b.params[0].device());
     auto get = [&](const char* name) -> double {
         auto it = hyper.find(name);
-        TORCH_CHECK_VALUE(it != hyper.end(), "update rule '", t.rule, "' needs hyperparameter '", name, "'");
+        TORCH_CHECK_VALUE(it != hyper.end(), "update rule '", b.rule, "' needs hyperparameter '", name, "'");
         return it->second;
     };
 #define Q8_TRY_RULE(NAME, RULE)                                                                              \
-    if (t.rule == NAME) {                                                                                    \
-        TORCH_CHECK_VALUE(t.states.size() == (size_t)RULE::kStates, "update rule '", t.rule, "' keeps ",     \
-                          RULE::kStates, " states, got ", t.states.size());                                  \
-        TORCH_CHECK_VALUE(launch_dtypes(t, RULE(get)), "no CUDA kernel for param ", t.param.scalar_type(),   \
-                          " with grad ", t.grad.scalar_type(), " (grad must have the param's dtype or float32)"); \
+    if (b.rule == NAME) {                                                                                    \
+        for (const auto& st : b.states)                                                                      \
+            TORCH_CHECK_VALUE(st.size() == (size_t)RULE::kStates, "update rule '", b.rule, "' keeps ",        \
+                              RULE::kStates, " states, got ", st.size());                                   \
+        TORCH_CHECK_VALUE(launch_dtypes(b, RULE(get)), "no CUDA kernel for param ", b.params[0].scalar_type(), \
+                          " with grad ", b.grads[0].scalar_type(),                                           \
+                          " (grad must have the param's dtype or float32)");                                 \
         return;                                                                                              \
     }
     Q8_RULES(Q8_TRY_RULE)
 #undef Q8_TRY_RULE
-    TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", t.rule, "'");
+    TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", b.rule, "'");
 }
 
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
