@@ -203,7 +203,7 @@ def fused_step_fp32_many(optimizer, items, group, hyper) -> list:
         pd, gd, cuda = p.dtype, grad.dtype, p.is_cuda
         if ((not cuda and not p.is_cpu) or grad.is_cuda is not cuda or pd not in _SUPPORTED
                 or (gd is not pd and gd is not torch.float32) or not p.is_contiguous()
-                or not all(s.is_contiguous() and s.device == p.device for s in states)):
+                or not all(s.is_contiguous() and (s.device == p.device if cuda else s.is_cpu) for s in states)):
             rest.append(item)
             continue
         key = (p.get_device() if cuda else -1, pd, gd)

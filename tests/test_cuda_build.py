@@ -115,3 +115,9 @@ def test_kernels_keep_every_array_in_registers():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "PASS ptxas" in proc.stdout and " 0 with a stack frame or spills" in proc.stdout, out[-6000:]
+
+
+def test_architectures_below_volta_are_left_out():
+    """__grid_constant__ kernel parameters need compute capability 7.0 or later."""
+    b = Q8CUDABuilder()
+    assert b.filter_ccs(["6.1", "7.0", "9.0+PTX"]) == [["7", "0"], ["9", "0+PTX"]]

@@ -45,6 +45,15 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}"
                 ] + self.compute_capability_args()
 
+    def filter_ccs(self, ccs):
+        """Compute capabilities 7.0 and up: the step kernels take their tensor lists as
+        ``__grid_constant__`` parameters, which older architectures do not have."""
+        kept = [cc.split(".") for cc in ccs if int(cc.split(".")[0]) >= 7]
+        dropped = [cc for cc in ccs if int(cc.split(".")[0]) < 7]
+        if dropped:
+            self.warning(f"{self.name}: leaving out compute capabilities {dropped} (the kernels need 7.0 or later)")
+        return kept
+
     def is_compatible(self, verbose=False):
         """Whether the op can be compiled here; ``error_log`` says why not."""
         reason = None

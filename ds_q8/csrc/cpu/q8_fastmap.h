@@ -28,6 +28,7 @@
 #pragma once
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -54,6 +55,9 @@ struct FastMap {
 // A FastMap is plain data: the CUDA kernels copy it word by word into shared memory.
 constexpr int kFastWords = (int)(sizeof(FastMap) / 4);
 static_assert(sizeof(FastMap) % 4 == 0, "FastMap must be a whole number of 32-bit words");
+// The host builds it and the device reads its words: every compiler must lay it out alike.
+static_assert(sizeof(FastMap) == 512 && offsetof(FastMap, seg_inv) == 256 && offsetof(FastMap, is_signed) == 448,
+              "FastMap layout differs between compilers");
 
 // Internal linkage, as in q8_common.h: this header is compiled both for the baseline (the builder,
 // in q8_cpu.cpp) and for AVX-512, and the linker must not swap one copy for the other.
