@@ -127,6 +127,10 @@ stage gpu-tests 240 gpu_tests.log "$PY" -m pytest -q -rs -p no:cacheprovider -x 
 # ---- 4. speed
 stage speed 240 speed.log "$PY" launch/gpu_check.py speed --n "$N" --out "$OUT"
 
+# ---- 5. DeepSpeed fp16 overflow skips and the multi-tensor GPU tests (last: the slowest to start)
+stage deepspeed-gpu 150 deepspeed_gpu.log "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_multi_tensor.py \
+    tests/test_engine_faults.py -k "cuda or fp16"
+
 if [ "$DRY_RUN" = 1 ]; then
     for s in correctness speed sanitize; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done
     exit $failed

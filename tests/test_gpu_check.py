@@ -25,7 +25,7 @@ def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for stage in ("preflight", "build", "ptxas", "sanitizer-memcheck", "sanitizer-racecheck", "correctness",
-                  "gpu-tests", "speed"):
+                  "gpu-tests", "speed", "deepspeed-gpu"):
         assert f"stage {stage} " in out.stdout, stage
     plan = json.loads((tmp_path / "gpu_check_correctness.json").read_text())["plan"]
     assert any("huge" in line for line in plan)
