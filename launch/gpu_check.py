@@ -28,15 +28,15 @@ DTYPE_PAIRS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfl
                ("bfloat16", "float32")]
 HUGE = 2 ** 31 + 4099
 BYTES_8BIT, BYTES_COPY = 16, 8  # per parameter: read p, g, 2 codes; write p, 2 codes / read + write
+DEVICE = "cuda"  # --device cpu runs the same checks on the CPU op, to try this script without a GPU
 
 
 def sizes_for(block_size: int) -> List[int]:
     return [1, 7, block_size - 1, block_size + 1, 3 * block_size + 7]
 
 
-def gpt2_xl_shapes() -> List[tuple]:
-    """The parameter shapes of GPT-2 XL (1.56e9 parameters, 580 tensors)."""
-    d, vocab, ctx, layers = 1600, 50257, 1024, 48
+def gpt2_xl_shapes(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int = 1024) -> List[tuple]:
+    """The parameter shapes of GPT-2 XL (1.56e9 parameters, 580 tensors); smaller when asked."""
     shapes = [(vocab, d), (ctx, d)]
     for _ in range(layers):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
@@ -117,16 +117,19 @@ def correctness(report: Report, quick: bool) -> None:
 
     def pair(cls, sizes, pd, gd, bs, steps=2, min_8bit_size=0, seed=0, **kw):
         """The same optimizer with kernels and on the reference; both stepped; compared bit by bit."""
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        p0 = [torch.randn(n, generator=gen, device="cuda").to(pd) for n in sizes]
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        p0 = [torch.randn(n, generator=gen, device=DEVICE).to(pd) for n in sizes]
         pk = [torch.nn.Parameter(x.clone()) for x in p0]
         pr = [torch.nn.Parameter(x.clone()) for x in p0]
         del p0
+        if gd != pd:
+            for a, b in zip(pk, pr):
+                a.grad_dtype = b.grad_dtype = gd  # e.g. fp32 gradients of bf16 params
         ok = cls(pk, block_size=bs, min_8bit_size=min_8bit_size, **kw)
         orf = cls(pr, block_size=bs, min_8bit_size=min_8bit_size, **kw)
         for s in range(steps):
             for a, b in zip(pk, pr):
-                g = (torch.randn(a.numel(), generator=gen, device="cuda") * 10.0 ** (s % 3 - 1)).to(gd)
+                g = (torch.randn(a.numel(), generator=gen, device=DEVICE) * 10.0 ** (s % 3 - 1)).to(gd)
                 a.grad, b.grad = g, g.clone()
                 del g
             ok.step()
@@ -141,21 +144,21 @@ def correctness(report: Report, quick: bool) -> None:
     dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     from test_kernels import RULES, reference_step  # tests/ is on sys.path (main)
 
-    module = ops.load_op("cuda")
+    module = ops.load_op(DEVICE)
     assert module is not None, "the CUDA op did not load"
 
     def lists(sizes, pd, bs, offset=0, seed=0):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        params = [torch.randn(n + offset, generator=gen, device="cuda").to(pd)[offset:] for n in sizes]
-        grads = [torch.randn(n + offset, generator=gen, device="cuda").to(pd)[offset:] for n in sizes]
-        states = [[torch.randint(0, 256, (n,), generator=gen, device="cuda", dtype=torch.uint8) for _ in range(2)]
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        params = [torch.randn(n + offset, generator=gen, device=DEVICE).to(pd)[offset:] for n in sizes]
+        grads = [torch.randn(n + offset, generator=gen, device=DEVICE).to(pd)[offset:] for n in sizes]
+        states = [[torch.randint(0, 256, (n,), generator=gen, device=DEVICE, dtype=torch.uint8) for _ in range(2)]
                   for n in sizes]
-        absmax = [[torch.rand(-(-n // bs), generator=gen, device="cuda") for _ in range(2)] for n in sizes]
+        absmax = [[torch.rand(-(-n // bs), generator=gen, device=DEVICE) for _ in range(2)] for n in sizes]
         return params, grads, states, absmax
 
     def adamw_args(bs):
-        opt = ds_q8.AdamW8bitBlock([torch.nn.Parameter(torch.zeros(1, device="cuda"))], block_size=bs, lr=1e-2)
-        maps = opt._maps(opt.param_groups[0], torch.device("cuda"))
+        opt = ds_q8.AdamW8bitBlock([torch.nn.Parameter(torch.zeros(1, device=DEVICE))], block_size=bs, lr=1e-2)
+        maps = opt._maps(opt.param_groups[0], torch.device(DEVICE))
         return maps, [ops._lookup(m, module) for m in maps], dict(opt._hyper(opt.param_groups[0], 3))
 
     def flat(params, states, absmax):
@@ -182,14 +185,16 @@ def correctness(report: Report, quick: bool) -> None:
                     p, g, s, a = lists(sizes_for(bs), pd, bs, offset)
                     q, h = [x.clone() for x in p], [x.clone() for x in g]
                     t, b = [[c.clone() for c in st] for st in s], [[c.clone() for c in st] for st in a]
-                    module.step_many("adamw", p, g, s, a, maps, lookups, bs, hyper, [], [])
-                    module.step_many("adamw", q, h, t, b, maps, lookups, bs, hyper, [], [])
+                    ops._call(module, "step_many", p[0], "adamw", p, g, s, a, maps, lookups, bs, hyper, [], [])
+                    ops._call(module, "step_many", q[0], "adamw", q, h, t, b, maps, lookups, bs, hyper, [], [])
                     for x, y in zip(flat(p, s, a), flat(q, t, b)):
                         same(x, y, f"offset {offset}")
                 return "views 1-3 elements in, against aligned copies"
             report.run(name, offsets)
         elif kind == "stream":
             def stream():
+                if DEVICE != "cuda":
+                    return "no streams on " + DEVICE
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
@@ -199,23 +204,25 @@ def correctness(report: Report, quick: bool) -> None:
             report.run(name, stream)
         elif kind == "skip":
             def skip():
+                if DEVICE != "cuda":
+                    return "the skip flag is CUDA's"
                 maps, lookups, hyper = adamw_args(bs)
                 p, g, s, a = lists(sizes_for(bs) * 8, pd, bs)  # 40 tensors: two launches
                 before = [x.clone() for x in flat(p, s, a)]
                 module.step_many("adamw", p, g, s, a, maps, lookups, bs, hyper, [], [],
-                                 skip=torch.ones(1, dtype=torch.int32, device="cuda"))
+                                 skip=torch.ones(1, dtype=torch.int32, device=DEVICE))
                 for x, y in zip(flat(p, s, a), before):
                     same(x, y, "skipped step")
                 module.step_many("adamw", p, g, s, a, maps, lookups, bs, hyper, [], [],
-                                 skip=torch.zeros(1, dtype=torch.int32, device="cuda"))
+                                 skip=torch.zeros(1, dtype=torch.int32, device=DEVICE))
                 assert any(not torch.equal(x, y) for x, y in zip(flat(p, s, a), before)), "flag 0 changed nothing"
                 return "flag 1 writes nothing, flag 0 steps"
             report.run(name, skip)
         elif kind == "quantize":
             def quantize():
                 for d in (torch.float32, torch.float16, torch.bfloat16):
-                    x = (torch.randn(3 * bs + 100, device="cuda") * torch.logspace(-8, 3, 3 * bs + 100,
-                                                                                    device="cuda")).to(d)
+                    x = (torch.randn(3 * bs + 100, device=DEVICE) * torch.logspace(-8, 3, 3 * bs + 100,
+                                                                                    device=DEVICE)).to(d)
                     want = F.quantize_blockwise(x, None, bs)
                     got = ops.quantize_blockwise(x, None, bs)
                     same(got[0], want[0], f"codes {d}")
@@ -227,7 +234,7 @@ def correctness(report: Report, quick: bool) -> None:
         elif kind == "huge":
             report.run(f"correct huge n={HUGE} bs={bs} p={pdn}",
                        lambda: pair(ds_q8.AdamW8bitBlock, [HUGE], pd, gd, bs, steps=1, lr=1e-2))
-            torch.cuda.empty_cache()
+            release()
 
 
 # ---------------------------------------------------------------------------------------------- sanitize
@@ -241,29 +248,51 @@ def sanitize(report: Report) -> None:
     def run():
         for bs in (64, 512, 4096):
             for pd in (torch.float32, torch.bfloat16):
-                ps = [torch.nn.Parameter(torch.randn(n, device="cuda").to(pd)) for n in (1, 7, bs + 1, 3 * bs + 7)]
+                ps = [torch.nn.Parameter(torch.randn(n, device=DEVICE).to(pd)) for n in (1, 7, bs + 1, 3 * bs + 7)]
                 opt = ds_q8.AdamW8bitBlock(ps, block_size=bs, min_8bit_size=8)
                 for p in ps:
                     p.grad = torch.randn_like(p)
                 opt.step()
-        x = torch.randn(5000, device="cuda")
+        x = torch.randn(5000, device=DEVICE)
         codes, absmax = ops.quantize_blockwise(x)
         ops.dequantize_blockwise(codes, absmax)
-        torch.cuda.synchronize()
+        sync()
         return "AdamW 8-bit and fp32-state steps, quantize, dequantize"
 
     report.run("sanitize workload", run)
 
 
 # ---------------------------------------------------------------------------------------------- speed
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _time_cuda(step: Callable[[], None], reps: int) -> List[float]:
     """Milliseconds of each of `reps` calls by CUDA events, after one warm-up call."""
     import torch
 
     step()
-    torch.cuda.synchronize()
+    sync()
     out = []
     for _ in range(reps):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            step()
+            out.append((time.perf_counter() - t0) * 1e3)
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
@@ -273,24 +302,21 @@ def _time_cuda(step: Callable[[], None], reps: int) -> List[float]:
     return out
 
 
-def speed(report: Report, n: int, reps: int, skip_peers: bool) -> None:
-    import gc
-
+def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -> None:
     import torch
 
     import ds_q8
     from ds_q8 import ops
 
-    module = ops.load_op("cuda")
+    module = ops.load_op(DEVICE)
     assert module is not None, "the CUDA op did not load"
-    report.info("device", torch.cuda.get_device_name())
+    report.info("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
     lr, wd = 1e-3, 1e-2
     results: Dict[str, float] = {}
 
     def timed(name, make, bytes_per_param=None, params=n):
         """Builds a step (after freeing the last one), times it, records the median."""
-        gc.collect()
-        torch.cuda.empty_cache()
+        release()
         try:
             step = make()
             times = _time_cuda(step, reps)
@@ -307,9 +333,9 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool) -> None:
         del step
         return med
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    grad = torch.randn(n, generator=gen, device="cuda").mul_(1e-2)
-    base = torch.randn(n, generator=gen, device="cuda")
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    grad = torch.randn(n, generator=gen, device=DEVICE).mul_(1e-2)
+    base = torch.randn(n, generator=gen, device=DEVICE)
 
     def copy():
         dst = torch.empty_like(base)
@@ -328,10 +354,10 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool) -> None:
         maps = opt._maps(group, p.device)
         lookups = [ops._lookup(m, module) for m in maps]
         hyper = dict(opt._hyper(group, 2))
-        codes = [torch.full((n,), 127, dtype=torch.uint8, device="cuda") for _ in range(2)]
-        absmax = [torch.full((-(-n // bs),), 1e-3, device="cuda") for _ in range(2)]
-        return lambda: module.step_many("adamw", [p.data], [grad], [codes], [absmax], maps, lookups, bs, hyper,
-                                        [], [])
+        codes = [torch.full((n,), 127, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+        absmax = [torch.full((-(-n // bs),), 1e-3, device=DEVICE) for _ in range(2)]
+        return lambda: ops._call(module, "step_many", p, "adamw", [p.data], [grad], [codes], [absmax], maps, lookups,
+                                 bs, hyper, [], [])
 
     def against_peers(label: str, make_params: Callable[[], list], params: int, nonfinite_off: bool = False):
         """ds_q8's optimizer step against torch fused AdamW and bitsandbytes on the same tensors."""
@@ -361,20 +387,19 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool) -> None:
                    fraction=frac)
     against_peers(f"n={n}", param, n, nonfinite_off=True)
     base = grad = None  # frees 2 x 4n bytes before the GPT-2 XL rows (their closures are done)
-    gc.collect()
-    torch.cuda.empty_cache()
+    release()
 
     # the GPT-2 XL tensor list: many tensors, small ones on float32 states
-    shapes = gpt2_xl_shapes()
+    shapes = gpt2_xl_shapes(xl_layers)
     total = sum(int(torch.Size(s).numel()) for s in shapes)
     report.info("gpt2_xl", {"tensors": len(shapes), "params": total})
 
     def xl_params():
-        g = torch.Generator(device="cuda").manual_seed(1)
+        g = torch.Generator(device=DEVICE).manual_seed(1)
         ps = []
         for s in shapes:
-            p = torch.nn.Parameter(torch.randn(s, generator=g, device="cuda"))
-            p.grad = torch.randn(s, generator=g, device="cuda").mul_(1e-2)
+            p = torch.nn.Parameter(torch.randn(s, generator=g, device=DEVICE))
+            p.grad = torch.randn(s, generator=g, device=DEVICE).mul_(1e-2)
             ps.append(p)
         return ps
 
@@ -391,6 +416,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="correctness without the 2^31+4099-element tensor")
     ap.add_argument("--no-peers", action="store_true", help="speed without bitsandbytes")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: the same checks on the CPU op (tries this script without a GPU; use small --n)")
+    ap.add_argument("--xl-layers", type=int, default=48, help="transformer layers of the GPT-2 XL list (48)")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be at least 5, got {args.reps}")
@@ -413,14 +441,16 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import torch
 
-    if not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("FAIL preflight: no CUDA GPU visible", flush=True)
         return 1
     report = Report(path, args.stage)
     if args.stage == "correctness":
         correctness(report, args.quick)
     elif args.stage == "speed":
-        speed(report, args.n, args.reps, args.no_peers)
+        speed(report, args.n, args.reps, args.no_peers, args.xl_layers)
     else:
         sanitize(report)
     report.info("failed", report.failed)

@@ -66,3 +66,15 @@ ptxas info    : Used 12 registers, used 0 barriers
                                                                                                (0, 0, 0, 12)]
     assert [r["mangled"] for r in ptxas_report.bad(rows)] == ["_Z3fooPf"]
     assert rows[0]["kernel"].startswith("foo")
+
+
+@pytest.mark.parametrize("stage", ["correctness", "sanitize"])
+def test_python_stages_run_on_the_cpu_op(tmp_path, stage):
+    """The GPU run's checks, run here on the CPU op: the script itself has no bug to find on the GPU."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), stage, "--device", "cpu",
+                          "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert "FAIL" not in out.stdout
+    report = json.loads((tmp_path / f"gpu_check_{stage}.json").read_text())
+    assert report["failed"] == 0 and report["results"] and all(r["result"] == "PASS" for r in report["results"])
