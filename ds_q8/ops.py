@@ -26,6 +26,7 @@ import warnings
 from typing import Dict, Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import functional as F
 
@@ -35,7 +36,7 @@ from .optim.checks import IMPLS
 _modules: Dict[str, object] = {}
 _errors: Dict[str, str] = {}  # kind -> why its op could not be loaded
 _PREBUILT = {"cpu": "_q8_cpu", "cuda": "_q8_cuda"}  # the op builders' names, as setup.py prebuilds them
-_lookups: Dict[tuple, tuple] = {}
+_lookups = WeakIdKeyDictionary()  # map tensor -> {id(module): (map version, lookup table)}
 _warned: set = set()
 _isa: Dict[str, str] = {}  # "chosen": the CPU instruction set in use
 
@@ -114,14 +115,23 @@ def use_cpu_isa(name: str):
 
 
 def _lookup(code: torch.Tensor, module) -> torch.Tensor:
-    """The nearest-code table of a map, built once per map tensor (kept alive with it)."""
-    key = (str(code.device), code.data_ptr(), code._version)
-    hit = _lookups.get(key)
-    if hit is None:
+    """The nearest-code table of a map, built once per map tensor and per module and dropped with the
+    map (the cache holds the map weakly; an in-place change of the map rebuilds it)."""
+    per_map = _lookups.get(code)
+    if per_map is None:
+        per_map = _lookups[code] = {}
+    hit = per_map.get(id(module))
+    if hit is None or hit[0] != code._version:
         table = module.build_lookup(code.detach().to("cpu", torch.float32).contiguous()).to(code.device)
-        hit = (code, table)
-        _lookups[key] = hit
+        hit = per_map[id(module)] = (code._version, table)
     return hit[1]
+
+
+def _default_map(device) -> torch.Tensor:
+    """The signed dynamic map on ``device``: the optimizers' cached one, so its table is built once."""
+    from .optim.base import get_map  # the optimizers import this module
+
+    return get_map("dynamic", True, device)
 
 
 def _op_for(t: torch.Tensor):
@@ -261,8 +271,8 @@ def _rounding_lists(items, at: int):
 
 def fused_step_fp32_many(optimizer, items, group, hyper, skip=None) -> list:
     """The same fused step for tensors whose state is float32 (``optim_bits=32`` or below
-    ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`.
-    Returns the items it did not step."""
+    ``min_8bit_size``): ``items`` are ``(param, grad, states, rounding)``, batched like :func:`fused_step_many`
+    (by device and dtypes; on CUDA one launch per list of tensors). Returns the items it did not step."""
     rule, strict = _kernel_rule(optimizer, group, items)
     if rule is None:
         return list(items)
@@ -271,27 +281,29 @@ def fused_step_fp32_many(optimizer, items, group, hyper, skip=None) -> list:
     for item in items:
         p, grad, states, _ = item
         why = _unsupported(p, grad, states)
-        if why is None and not p.is_cpu:
-            why = f"no float32-state kernel on {p.device.type} yet"
+        if why is None and not all(s.device == p.device for s in states):
+            why = f"the float32 states of a parameter on {p.device} must be on its device"
         if why is not None:
             rest.extend(_no_kernel([item], strict, why))
             continue
-        batch = batches.get((p.dtype, grad.dtype))
+        key = (p.get_device() if p.is_cuda else -1, p.dtype, grad.dtype)
+        batch = batches.get(key)
         if batch is None:
-            batch = batches[(p.dtype, grad.dtype)] = ([], [], [], [])
+            batch = batches[key] = ([], [], [], [])
         batch[0].append(p)
         batch[1].append(grad if grad.is_contiguous() else grad.contiguous())
         batch[2].append(states)
         batch[3].append(item)
-    if not batches:
-        return rest
-    module = load_op("cpu", required=strict)
-    if module is None or rule not in module.rules():
-        return rest + _no_kernel([it for b in batches.values() for it in b[3]], strict,
-                                 f"no fused kernel for update rule {rule!r}")
     for params, grads, states, batch_items in batches.values():
+        device = params[0].device
+        module = load_op(device.type, required=strict)
+        if module is None or rule not in module.rules():
+            rest.extend(_no_kernel(batch_items, strict, f"no fused kernel for update rule {rule!r}")
+                        if module is not None else batch_items)
+            continue
         keys, index = _rounding_lists(batch_items, 3)
-        _call(module, "step_fp32_many", params[0], rule, params, grads, states, dict(hyper), keys, index)
+        _call(module, "step_fp32_many", params[0], rule, params, grads, states, dict(hyper), keys, index,
+              skip=skip if device.type == "cuda" else None)
     return rest
 
 
@@ -324,7 +336,7 @@ def quantize_blockwise(x: torch.Tensor, code: Optional[torch.Tensor] = None,
     F.check_block_size(block_size)
     if x.dtype not in _SUPPORTED:
         raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    code = F._check_code(code, x.device)
+    code = F._check_code(_default_map(x.device) if code is None else code, x.device)
     flat = x.detach().reshape(-1).contiguous()
     codes, absmax = _call(module, "quantize", x, flat, code, _lookup(code, module), block_size)
     # a block's absmax is NaN or Inf exactly when the block holds one: a check on 1/block_size of the data

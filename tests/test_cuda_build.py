@@ -42,8 +42,12 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
     module = b.load()
     assert set(module.rules()) == {"adam", "adamw", "momentum", "rmsprop", "rmsprop_momentum", "adagrad", "lamb",
                                    "lars", "lion"}
+    # the table, then the segment search's tables (512 bytes) and a word saying they are usable
+    table_size = 0xC000 - 0x3FFF + 1
     lookup = module.build_lookup(F.create_dynamic_map(True))
-    assert lookup.dtype == torch.int32 and lookup.numel() == 0xC000 - 0x3FFF + 1
+    assert lookup.dtype == torch.int32 and lookup.numel() == table_size + 512 // 4 + 1
+    assert lookup[-1].item() == 1
+    assert module.build_lookup(F.create_linear_map(signed=True))[-1].item() == 0  # no zero entry: no search
     assert module.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
                                "max_states": F.MAX_STATES}
 
@@ -92,3 +96,28 @@ def test_cuda_quantize_dequantize_match_reference(dtype):
     x = (torch.randn(n) * torch.logspace(-8, 3, n)).to(DTYPES[dtype]).cuda()
     x[:block_size] = 0
     assert_quantization_matches(x, F.create_dynamic_map(True), block_size)
+
+
+def test_kernels_keep_every_array_in_registers():
+    """ptxas reports a 0-byte stack frame and no spills for every kernel (launch/ptxas_report.py)."""
+    import subprocess
+    import sys
+
+    from ds_q8.op_builder.cuda import use_cuda_home
+
+    if torch.version.cuda is None:
+        pytest.skip("torch is a CPU-only build: no CUDA headers to compile the kernels against")
+    if not use_cuda_home():
+        pytest.skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "ptxas_report.py")], capture_output=True,
+                          text=True, cwd=root)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "PASS ptxas" in proc.stdout and " 0 with a stack frame or spills" in proc.stdout, out[-6000:]
+
+
+def test_architectures_below_volta_are_left_out():
+    """__grid_constant__ kernel parameters need compute capability 7.0 or later."""
+    b = Q8CUDABuilder()
+    assert b.filter_ccs(["6.1", "7.0", "9.0+PTX"]) == [["7", "0"], ["9", "0+PTX"]]

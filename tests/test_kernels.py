@@ -498,3 +498,19 @@ def test_load_prefers_a_prebuilt_module(monkeypatch):
     b = Q8CPUBuilder()
     monkeypatch.setattr(b, "jit_load", lambda verbose=False: pytest.fail("must not JIT-compile"))
     assert b.load() is prebuilt
+
+
+def test_a_changed_header_changes_the_build_flags(tmp_path, monkeypatch):
+    """torch's JIT cache rebuilds on changed sources or flags only: a header edit must reach the flags."""
+    import shutil
+
+    from ds_q8.op_builder import common
+
+    copy = tmp_path / "csrc"
+    shutil.copytree(common.CSRC, copy)
+    monkeypatch.setattr(common, "CSRC", str(copy))
+    before = common.headers_define()
+    assert before in Q8CPUBuilder().cxx_args()
+    with open(copy / "includes" / "q8_common.h", "a") as f:
+        f.write("\n// edited\n")
+    assert common.headers_define() != before

@@ -6,6 +6,7 @@
   ``setup.py`` prebuilt (``ds_q8._q8_cpu`` / ``ds_q8._q8_cuda``) first and JIT-compiles otherwise.
 """
 import glob
+import hashlib
 import importlib
 import os
 
@@ -16,6 +17,19 @@ CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 def csrc(*parts: str) -> str:
     return os.path.join(CSRC, *parts)
+
+
+def headers_define() -> str:
+    """``-DQ8_HEADERS=<digest of every header in csrc/>``, for the compiler flags.
+
+    torch's JIT cache rebuilds an op when its sources or flags change, not its headers; most of the
+    kernels live in headers, so their digest goes into the flags and a changed header rebuilds."""
+    digest = hashlib.sha1()
+    for path in sorted(glob.glob(csrc("**", "*.h"), recursive=True)):
+        digest.update(os.path.relpath(path, CSRC).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return f"-DQ8_HEADERS={digest.hexdigest()[:16]}"
 
 
 class PrebuiltFirstMixin:

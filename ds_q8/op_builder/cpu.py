@@ -3,7 +3,7 @@ import platform
 
 from deepspeed.ops.op_builder.builder import OpBuilder
 
-from .common import PrebuiltFirstMixin, csrc
+from .common import PrebuiltFirstMixin, csrc, headers_define
 
 
 class Q8CPUBuilder(PrebuiltFirstMixin, OpBuilder):
@@ -20,7 +20,7 @@ class Q8CPUBuilder(PrebuiltFirstMixin, OpBuilder):
         # No -march=native: each isa_*.cpp selects its own instruction set, and the binding picks
         # the best one the running CPU supports, so a prebuilt module runs on any x86-64.
         # -ffp-contract=off keeps a*b+c from becoming an FMA, which would change the bits.
-        return ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas"]
+        return ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas", headers_define()]
 
     def extra_ldflags(self):
         return ["-fopenmp"]

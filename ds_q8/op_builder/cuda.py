@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
-from .common import PrebuiltFirstMixin, csrc
+from .common import PrebuiltFirstMixin, csrc, headers_define
 from .toolkit import find_cuda_home
 
 
@@ -36,14 +36,23 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         return [csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
 
     def cxx_args(self):
-        return ["-O3"]
+        return ["-O3", headers_define()]
 
     def nvcc_args(self):
         # Not DeepSpeed's defaults: --use_fast_math (and nvcc's default FMA contraction) would
         # change the bits of sqrt, division and a*b+c, and the kernels must match torch exactly.
         threads = os.environ.get("DS_NVCC_THREADS", str(min(os.cpu_count() or 1, 8)))
-        return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}"
+        return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}", headers_define()
                 ] + self.compute_capability_args()
+
+    def filter_ccs(self, ccs):
+        """Compute capabilities 7.0 and up: the step kernels take their tensor lists as
+        ``__grid_constant__`` parameters, which older architectures do not have."""
+        kept = [cc.split(".") for cc in ccs if int(cc.split(".")[0]) >= 7]
+        dropped = [cc for cc in ccs if int(cc.split(".")[0]) < 7]
+        if dropped:
+            self.warning(f"{self.name}: leaving out compute capabilities {dropped} (the kernels need 7.0 or later)")
+        return kept
 
     def is_compatible(self, verbose=False):
         """Whether the op can be compiled here; ``error_log`` says why not."""

@@ -5,6 +5,7 @@
 
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"
+#include "q8_fastmap.h"
 
 namespace ds_q8 {
 namespace {
@@ -26,6 +27,16 @@ struct Scalar : PerVectorBlocks<Scalar> {
     static float absmax_reduce(V acc) { return acc; }
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int) {
         *out = (uint8_t)q8_quantize_scaled(x * scale, lookup);
+    }
+    // The segment search where the map has one (the function the CUDA kernels call), else the table.
+    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
+                               const FastMap* fast) {
+        const float scale = q8_block_scale(absmax);
+        if (!fast) {
+            for (int i = 0; i < len; ++i) quantize(out + i, x[i], scale, lookup, 1);
+            return;
+        }
+        for (int i = 0; i < len; ++i) out[i] = (uint8_t)q8_quantize_fast(x[i] * scale, *fast, lookup);
     }
 };
 

@@ -10,7 +10,7 @@
 
 namespace ds_q8 {
 
-struct FastMap;  // q8_fastmap.h; only the AVX-512 driver uses it
+struct FastMap;  // q8_fastmap.h: the segment search of the AVX-512 and scalar drivers
 
 namespace {
 

@@ -1,4 +1,6 @@
-// Gather-free nearest-code search for the AVX-512 driver.
+// Gather-free nearest-code search: the AVX-512 driver (SIMD twin in isa_avx512.cpp), and
+// q8_quantize_fast below, one scalar function shared by the baseline CPU driver (isa_scalar.cpp)
+// and the CUDA kernels (which hold the FastMap tables in shared memory).
 //
 // The lookup table of q8_common.h needs one table read per value, and a 16-lane gather costs about
 // as much as the rest of a fused Adam step on AMD Zen 4. The dynamic and linear maps have more
@@ -26,6 +28,7 @@
 #pragma once
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -36,6 +39,9 @@ namespace ds_q8 {
 constexpr float kFastAmbiguous = 1.0f / 4096.0f;  // width of the ambiguous band around a midpoint
 constexpr int kFastBinadeLow = 96;               // exponent field of 2^-31
 constexpr int kFastMaxSegments = 16;
+// The largest magnitude the proof covers: one rounding above 1 (the largest scaled value of a
+// finite block) and one more for the next-float-above step of negative values.
+constexpr uint32_t kFastLargestBits = 0x3F800002u;
 
 struct FastMap {
     alignas(64) float bin_thr[32];
@@ -46,15 +52,22 @@ struct FastMap {
     bool is_signed;
 };
 
+// A FastMap is plain data: the CUDA kernels copy it word by word into shared memory.
+constexpr int kFastWords = (int)(sizeof(FastMap) / 4);
+static_assert(sizeof(FastMap) % 4 == 0, "FastMap must be a whole number of 32-bit words");
+// The host builds it and the device reads its words: every compiler must lay it out alike.
+static_assert(sizeof(FastMap) == 512 && offsetof(FastMap, seg_inv) == 256 && offsetof(FastMap, is_signed) == 448,
+              "FastMap layout differs between compilers");
+
 // Internal linkage, as in q8_common.h: this header is compiled both for the baseline (the builder,
 // in q8_cpu.cpp) and for AVX-512, and the linker must not swap one copy for the other.
 namespace {
 
-inline float q8_next_up(float a) { return q8_float(q8_bits(a) + 1u); }  // a >= 0, finite
+Q8_HD float q8_next_up(float a) { return q8_float(q8_bits(a) + 1u); }  // a >= 0, finite
 
 // The scalar twin of the SIMD search: t2 of a (0 <= a < 2). floor(t2) is the magnitude index,
 // ambiguous when t2 - floor(t2) < kFastAmbiguous.
-inline float q8_fastmap_t2(const FastMap& m, float a) {
+Q8_HD float q8_fastmap_t2(const FastMap& m, float a) {
     uint32_t e = q8_bits(a) >> 23;
     if (e < (uint32_t)kFastBinadeLow) e = kFastBinadeLow;
     const int b = (int)(e & 31u);
@@ -63,9 +76,27 @@ inline float q8_fastmap_t2(const FastMap& m, float a) {
     return t2 < m.seg_hi[seg] ? t2 : m.seg_hi[seg];
 }
 
+// The code index of an already scaled value y: q8_quantize_scaled's answer, by the segment search.
+// The lookup table answers for y close to a midpoint (ambiguous), beyond the proved range
+// (|y| above one rounding past 1: only blocks holding Inf or NaN scale that far) and NaN.
+Q8_HD uint32_t q8_quantize_fast(float y, const FastMap& m, const uint32_t* lookup) {
+    const uint32_t u = q8_bits(y);
+    const bool negative = (u >> 31) != 0u;
+    uint32_t a = u & 0x7FFFFFFFu;
+    if (m.is_signed && negative) a += 1u;  // the next float above |y| (see "Signs" above)
+    if (a > kFastLargestBits) return q8_quantize_scaled(y, lookup);  // also NaN (and -NaN + 1 = -0.0 bits)
+    const float t2 = q8_fastmap_t2(m, q8_float(a));
+    const float k = floorf(t2);  // t2 >= 0 on the proved range
+    if (t2 - k < kFastAmbiguous) return q8_quantize_scaled(y, lookup);
+    const uint32_t mag = (uint32_t)k;
+    if (!m.is_signed) return negative ? 0u : mag;
+    if (negative) return mag >= 127u ? 0u : 127u - mag;
+    return mag >= 128u ? 255u : 127u + mag;
+}
+
 // Builds the segment tables of a sorted 256-entry map and proves them exact; false when the map
 // has no such structure (the lookup table is used instead).
-inline bool q8_build_fastmap(const float* code, FastMap* out) {
+Q8_HOST inline bool q8_build_fastmap(const float* code, FastMap* out) {
     FastMap m;
     memset(&m, 0, sizeof(m));
     float mags[256];
@@ -155,7 +186,7 @@ inline bool q8_build_fastmap(const float* code, FastMap* out) {
     // value of a finite block).
     for (int s = 0; s < nseg; ++s)
         if (!(m.seg_inv[s] >= 0.0f)) return false;
-    const float largest = q8_next_up(q8_next_up(1.0f));
+    const float largest = q8_float(kFastLargestBits);  // q8_next_up(q8_next_up(1.0f))
     for (int k = 0; k <= top; ++k) {
         const float lo = k == 0 ? 0.0f : q8_next_up(mid[k - 1]);
         const float hi = k == top ? largest : mid[k];

@@ -1,6 +1,7 @@
 // Torch binding of the CUDA kernels: argument checks, then the launchers in q8_cuda_kernels.cu.
 #include <torch/extension.h>
 
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -24,8 +25,24 @@ void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const tor
     binding::check_code(code);
     if (lookup) {
         check_cuda(*lookup, "lookup", device);
-        binding::check_lookup(*lookup);
+        TORCH_CHECK_VALUE(lookup->scalar_type() == torch::kInt32 && lookup->numel() == kDeviceLookupSize,
+                          "lookup must come from this op's build_lookup (", kDeviceLookupSize, " int32), got ",
+                          lookup->numel(), " of ", lookup->scalar_type());
     }
+}
+
+// The lookup tensor of a map (CPU in and out; see kDeviceLookupSize): the table, then the segment
+// search's tables when the map has them.
+torch::Tensor build_lookup(const torch::Tensor& code) {
+    const torch::Tensor table = binding::build_lookup(code);  // checks the map
+    auto out = torch::zeros({kDeviceLookupSize}, torch::kInt32);
+    out.narrow(0, 0, kLookupSize).copy_(table);
+    FastMap fast;
+    if (q8_build_fastmap(code.data_ptr<float>(), &fast)) {
+        std::memcpy(out.data_ptr<int32_t>() + kLookupSize, &fast, sizeof(FastMap));
+        out.data_ptr<int32_t>()[kLookupSize + kFastWords] = 1;
+    }
+    return out;
 }
 
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
@@ -52,50 +69,91 @@ void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std
     }
 }
 
-// Stochastic rounding of tensor t's parameter write (arguments checked by binding::check_rounding).
-void set_rounding(StepTensors& s, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t t,
-                  size_t n) {
-    s.stochastic = binding::check_rounding(sr_keys, sr_index, n);
-    s.sr_key = s.stochastic ? (uint32_t)sr_keys[t] : 0u;
-    s.sr_index = s.stochastic ? sr_index[t] : 0;
+// The optional skip flag: one int32 on the tensors' device (a non-finite check's result, so
+// that the decision never leaves the GPU). Returns its device pointer, or null.
+const int32_t* skip_flag(const c10::optional<torch::Tensor>& skip, const torch::Device& device) {
+    if (!skip.has_value()) return nullptr;
+    check_cuda(*skip, "skip", device);
+    TORCH_CHECK_VALUE(skip->scalar_type() == torch::kInt32 && skip->numel() == 1,
+                      "skip must be one int32 value (non-zero: write nothing), got ", skip->numel(), " of ",
+                      skip->scalar_type());
+    return skip->data_ptr<int32_t>();
+}
+
+// A batch's lists, with the checks every list step shares: list lengths, dtypes (one kernel per
+// call), the rounding lists.
+StepBatch list_batch(const std::string& rule, std::vector<torch::Tensor>&& params, std::vector<torch::Tensor>&& grads,
+                     size_t states, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
+                     const char* what) {
+    StepBatch b;
+    b.rule = rule;
+    b.params = std::move(params);
+    b.grads = std::move(grads);
+    b.sr_keys = sr_keys;
+    b.sr_index = sr_index;
+    const size_t n = b.params.size();
+    TORCH_CHECK_VALUE(b.grads.size() == n && states == n, what, ": params, grads and states must be lists of the "
+                      "same length, got ", n, ", ", b.grads.size(), " and ", states);
+    for (size_t t = 0; t < n; ++t) binding::check_same_dtypes(b.params, b.grads, t, what);
+    b.stochastic = binding::check_rounding(b.sr_keys, b.sr_index, n);
+    return b;
+}
+
+void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+               std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
+               std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups, int64_t block_size,
+               const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+               const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip) {
+    check_block_size(block_size);
+    StepBatch b = list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_many");
+    TORCH_CHECK_VALUE(absmax.size() == b.params.size(), "step_many: absmax must have one list per tensor (",
+                      b.params.size(), "), got ", absmax.size());
+    for (size_t t = 0; t < b.params.size(); ++t)
+        check_step(b.params[t], b.grads[t], states[t], absmax[t], maps, lookups, block_size);
+    if (b.params.empty()) return;
+    b.skip = skip_flag(skip, b.params[0].device());
+    b.states = std::move(states);
+    b.absmax = std::move(absmax);
+    b.maps = std::move(maps);
+    b.lookups = std::move(lookups);
+    b.block_size = block_size;
+    cuda_step_many(b, hyper);
 }
 
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
           std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups,
           int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-          const std::vector<int64_t>& sr_index) {
-    check_block_size(block_size);
-    check_step(param, grad, states, absmax, maps, lookups, block_size);
-    StepTensors s{rule, param, grad, states, absmax, maps, lookups, block_size};
-    set_rounding(s, sr_keys, sr_index, 0, 1);
-    cuda_step(s, hyper);
+          const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip) {
+    step_many(rule, {param}, {grad}, {states}, {absmax}, maps, lookups, block_size, hyper, sr_keys, sr_index, skip);
 }
 
-// Many tensors that share the rule, maps, block size and hyperparameters: all are checked first,
-// then launched back to back on the current stream from C++ (no per-tensor Python work).
-void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
-               std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
-               std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups, int64_t block_size,
-               const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-               const std::vector<int64_t>& sr_index) {
-    check_block_size(block_size);
-    const size_t n = params.size();
-    TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
-                      "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
-                      grads.size(), ", ", states.size(), " and ", absmax.size());
-    for (size_t t = 0; t < n; ++t) {
-        check_step(params[t], grads[t], states[t], absmax[t], maps, lookups, block_size);
-        // one dtype pair, so that a pair without a kernel fails on the first tensor, before any launch
-        binding::check_same_dtypes(params, grads, t, "step_many");
+// The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): states[t] are
+// the rule's float32 states of tensor t, each with the param's number of elements.
+void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+                    std::vector<std::vector<torch::Tensor>> states, const std::map<std::string, double>& hyper,
+                    const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
+                    const c10::optional<torch::Tensor>& skip) {
+    StepBatch b =
+        list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_fp32_many");
+    if (b.params.empty()) return;
+    const auto device = b.params[0].device();
+    for (size_t t = 0; t < b.params.size(); ++t) {
+        check_cuda(b.params[t], "param", device);
+        check_cuda(b.grads[t], "grad", device);
+        const int64_t n = b.params[t].numel();
+        TORCH_CHECK_VALUE(b.grads[t].numel() == n, "grad has ", b.grads[t].numel(), " elements, param has ", n);
+        TORCH_CHECK_VALUE(states[t].size() >= 1 && states[t].size() <= (size_t)Q8_MAX_STATES,
+                          "states must hold 1 or 2 tensors per param, got ", states[t].size());
+        for (const auto& st : states[t]) {
+            check_cuda(st, "state", device);
+            TORCH_CHECK_VALUE(st.scalar_type() == torch::kFloat32 && st.numel() == n, "state must be ", n,
+                              " float32 values, got ", st.numel(), " of ", st.scalar_type());
+        }
     }
-    std::vector<StepTensors> calls;
-    for (size_t t = 0; t < n; ++t) {
-        StepTensors s{rule, params[t], grads[t], states[t], absmax[t], maps, lookups, block_size};
-        set_rounding(s, sr_keys, sr_index, t, n);  // checked for every tensor before any launch
-        calls.push_back(s);
-    }
-    for (const StepTensors& s : calls)
-        if (s.param.numel() > 0) cuda_step(s, hyper);
+    b.skip = skip_flag(skip, device);
+    b.states = std::move(states);
+    b.fp32_states = true;
+    cuda_step_many(b, hyper);
 }
 
 std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,
@@ -125,10 +183,23 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
-    m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map (CPU tensors)");
+    m.def("build_lookup", &ds_q8::build_lookup,
+          "nearest-code lookup table and segment-search tables of a 256-entry map (CPU tensors)");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
-    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
-    m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors from one call, in place");
+    using pybind11::arg;
+    const auto skip = arg("skip") = pybind11::none();
+    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("rule"), arg("param"), arg("grad"),
+          arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
+          arg("sr_index"), skip);
+    m.def("step_many", &ds_q8::step_many,
+          "fused 8-bit step of many tensors, in place: one launch per 36 tensors; nothing is written when "
+          "skip (one int32 on the device) is non-zero",
+          arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"),
+          arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip);
+    m.def("step_fp32_many", &ds_q8::step_fp32_many,
+          "the same fused step for tensors with float32 states (optim_bits=32 or small tensors), in place",
+          arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
+          skip);
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
 }

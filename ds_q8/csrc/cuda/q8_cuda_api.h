@@ -8,20 +8,32 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/q8_fastmap.h"
+
 namespace ds_q8 {
 
-struct StepTensors {
+// The lookup tensor of the CUDA op (its build_lookup): the q8_build_lookup table, then the map's
+// segment-search tables (a FastMap, kFastWords words, copied into shared memory by the kernels),
+// then one word that is 1 when that FastMap is usable (0: the table answers every value).
+constexpr int kDeviceLookupSize = kLookupSize + kFastWords + 1;
+
+// The step of many tensors that share a rule, dtypes, maps, block size and hyperparameters.
+struct StepBatch {
     std::string rule;
-    at::Tensor param, grad;
-    std::vector<at::Tensor> states, absmax, maps, lookups;  // codes and block maxima per state; 256-entry maps
-    int64_t block_size;
-    bool stochastic;    // 16-bit params: write them with stochastic rounding (q8_store_sr)
-    uint32_t sr_key;    // the hash key of this tensor's random bits
-    int64_t sr_index;   // index of param[0] in its original parameter
+    std::vector<at::Tensor> params, grads;
+    std::vector<std::vector<at::Tensor>> states;  // per tensor: uint8 codes, or float32 states (fp32_states)
+    std::vector<std::vector<at::Tensor>> absmax;  // per tensor, per state: block maxima (8-bit states only)
+    std::vector<at::Tensor> maps, lookups;         // per state: 256-entry map and its lookup tensor (8-bit)
+    int64_t block_size = 0;                        // 8-bit states only
+    bool fp32_states = false;
+    bool stochastic = false;                       // 16-bit params: write them with stochastic rounding
+    std::vector<int64_t> sr_keys, sr_index;        // per tensor when stochastic: hash key, index of param[0]
+    const int32_t* skip = nullptr;                 // device flag: non-zero means the kernels write nothing
 };
 
-void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper);
-// the map itself is not needed: the lookup table (built from it) gives each value's nearest entry
+// Launches on the current stream: one kernel per group of up to 36 tensors.
+void cuda_step_many(const StepBatch& batch, const std::map<std::string, double>& hyper);
+// the map itself is not needed: the lookup tensor (built from it) gives each value's nearest entry
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
                    int64_t block_size);
 void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code, at::Tensor& out,

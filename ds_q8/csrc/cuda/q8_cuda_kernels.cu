@@ -5,8 +5,9 @@
 // elements is handled by T = block_size / 8 threads and a CUDA block of max(T, 256) threads holds
 // one or more whole quantization blocks. The state never leaves registers: dequantize, update,
 // reduce the new absmax across the T threads (warp shuffles, then shared memory when T > 32),
-// requantize and store. Maps live in shared memory; the nearest-code lookup table (128 KiB,
-// read-only, concentrated on few entries) is read through the read-only cache.
+// requantize and store. Maps live in shared memory, and so do the tables of the nearest-code
+// segment search (q8_fastmap.h); the 192 KiB lookup table answers only what the search leaves
+// ambiguous, through the read-only cache.
 //
 // Compiled with -fmad=false and without fast-math so that every operation rounds like torch's.
 #include <ATen/ATen.h>
@@ -44,72 +45,119 @@ Geometry geometry(int64_t numel, int64_t block_size) {
 }
 
 // ------------------------------------------------------------------ loads and stores of 8 values
-__device__ __forceinline__ void load8(const float* p, float* v, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-        return;
+// Every per-thread array below is indexed only by constants once the fixed-trip loops are unrolled
+// (`#pragma unroll` over kElems, the tail guarded by `if (i < cnt)`), so it lives in registers: no
+// stack frame, no local memory (launch/ptxas_report.py checks it).
+//
+// `align` is the byte alignment of the tensor's base pointer, capped at 16. A thread's 8 values
+// start at a multiple of 8 elements, so they are aligned like the base: 16 bytes allow uint4
+// accesses, 8 bytes uint2, 4 bytes uint32, anything less one element at a time.
+template <int kWords>
+__device__ __forceinline__ void load_words(const void* p, uint32_t (&w)[kWords], int align) {
+    if (kWords % 4 == 0 && align >= 16) {
+#pragma unroll
+        for (int j = 0; j < kWords / 4; ++j) {
+            const uint4 r = reinterpret_cast<const uint4*>(p)[j];
+            w[4 * j] = r.x, w[4 * j + 1] = r.y, w[4 * j + 2] = r.z, w[4 * j + 3] = r.w;
+        }
+    } else if (kWords % 2 == 0 && align >= 8) {
+#pragma unroll
+        for (int j = 0; j < kWords / 2; ++j) {
+            const uint2 r = reinterpret_cast<const uint2*>(p)[j];
+            w[2 * j] = r.x, w[2 * j + 1] = r.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < kWords; ++j) w[j] = reinterpret_cast<const uint32_t*>(p)[j];
     }
-    for (int i = 0; i < kElems; ++i) v[i] = i < cnt ? p[i] : 0.0f;
 }
 
-template <class T>  // q8_half or q8_bf16: 8 x 16 bits in one uint4
-__device__ __forceinline__ void load8(const T* p, float* v, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        uint4 r = *reinterpret_cast<const uint4*>(p);
-        const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-        for (int i = 0; i < 4; ++i) {
-            v[2 * i] = q8_to_float(T{(uint16_t)(w[i] & 0xFFFFu)});
-            v[2 * i + 1] = q8_to_float(T{(uint16_t)(w[i] >> 16)});
+template <int kWords>
+__device__ __forceinline__ void store_words(void* p, const uint32_t (&w)[kWords], int align) {
+    if (kWords % 4 == 0 && align >= 16) {
+#pragma unroll
+        for (int j = 0; j < kWords / 4; ++j)
+            reinterpret_cast<uint4*>(p)[j] = make_uint4(w[4 * j], w[4 * j + 1], w[4 * j + 2], w[4 * j + 3]);
+    } else if (kWords % 2 == 0 && align >= 8) {
+#pragma unroll
+        for (int j = 0; j < kWords / 2; ++j) reinterpret_cast<uint2*>(p)[j] = make_uint2(w[2 * j], w[2 * j + 1]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < kWords; ++j) reinterpret_cast<uint32_t*>(p)[j] = w[j];
+    }
+}
+
+// The raw bits of one element, and the 32-bit words that hold 8 of them.
+__device__ __forceinline__ uint32_t elem_bits(float v) { return __float_as_uint(v); }
+__device__ __forceinline__ uint32_t elem_bits(q8_half v) { return v.x; }
+__device__ __forceinline__ uint32_t elem_bits(q8_bf16 v) { return v.x; }
+__device__ __forceinline__ uint32_t elem_bits(uint8_t v) { return v; }
+template <class T> __device__ __forceinline__ T elem_from_bits(uint32_t b);
+template <> __device__ __forceinline__ float elem_from_bits<float>(uint32_t b) { return __uint_as_float(b); }
+template <> __device__ __forceinline__ q8_half elem_from_bits<q8_half>(uint32_t b) { return q8_half{(uint16_t)b}; }
+template <> __device__ __forceinline__ q8_bf16 elem_from_bits<q8_bf16>(uint32_t b) { return q8_bf16{(uint16_t)b}; }
+template <> __device__ __forceinline__ uint8_t elem_from_bits<uint8_t>(uint32_t b) { return (uint8_t)b; }
+
+// The bits of 8 consecutive elements of type T (float, q8_half, q8_bf16 or uint8_t codes); element
+// i >= cnt is neither read (its bits are 0) nor written.
+template <class T>
+__device__ __forceinline__ void load_bits8(const T* p, uint32_t (&b)[kElems], int cnt, int align) {
+    constexpr int kPer = 4 / sizeof(T), kWords = kElems / kPer, kShift = 32 / kPer;
+    if (cnt == kElems && align >= 4) {
+        uint32_t w[kWords];
+        load_words<kWords>(p, w, align);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+            if constexpr (kPer == 1) b[i] = w[i];
+            else b[i] = (w[i / kPer] >> (kShift * (i % kPer))) & ((1u << kShift) - 1u);
         }
         return;
     }
-    for (int i = 0; i < kElems; ++i) v[i] = i < cnt ? q8_to_float(p[i]) : 0.0f;
-}
-
-__device__ __forceinline__ void store8(float* p, const float* v, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-        reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
-        return;
-    }
-    for (int i = 0; i < cnt; ++i) p[i] = v[i];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) b[i] = i < cnt ? elem_bits(p[i]) : 0u;
 }
 
 template <class T>
-__device__ __forceinline__ void store8(T* p, const float* v, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        T h[kElems];
-        for (int i = 0; i < kElems; ++i) q8_store(&h[i], v[i]);
-        uint32_t w[4];
-        for (int i = 0; i < 4; ++i) w[i] = (uint32_t)h[2 * i].x | ((uint32_t)h[2 * i + 1].x << 16);
-        *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-        return;
-    }
-    for (int i = 0; i < cnt; ++i) q8_store(&p[i], v[i]);
-}
-
-__device__ __forceinline__ void load_codes(const uint8_t* c, uint8_t* out, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        uint2 r = *reinterpret_cast<const uint2*>(c);
-        for (int i = 0; i < 4; ++i) {
-            out[i] = (uint8_t)(r.x >> (8 * i));
-            out[4 + i] = (uint8_t)(r.y >> (8 * i));
+__device__ __forceinline__ void store_bits8(T* p, const uint32_t (&b)[kElems], int cnt, int align) {
+    constexpr int kPer = 4 / sizeof(T), kWords = kElems / kPer, kShift = 32 / kPer;
+    if (cnt == kElems && align >= 4) {
+        uint32_t w[kWords];
+#pragma unroll
+        for (int j = 0; j < kWords; ++j) {
+            w[j] = 0u;
+#pragma unroll
+            for (int q = 0; q < kPer; ++q) w[j] |= b[j * kPer + q] << (kShift % 32 * q);
         }
+        store_words<kWords>(p, w, align);
         return;
     }
-    for (int i = 0; i < kElems; ++i) out[i] = i < cnt ? c[i] : 0;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        if (i < cnt) p[i] = elem_from_bits<T>(b[i]);
 }
 
-__device__ __forceinline__ void store_codes(uint8_t* c, const uint32_t* idx, int cnt, bool vec) {
-    if (vec && cnt == kElems) {
-        uint2 r;
-        r.x = idx[0] | (idx[1] << 8) | (idx[2] << 16) | (idx[3] << 24);
-        r.y = idx[4] | (idx[5] << 8) | (idx[6] << 16) | (idx[7] << 24);
-        *reinterpret_cast<uint2*>(c) = r;
-        return;
+// 8 values as float32; lanes >= cnt read as 0.
+template <class T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[kElems], int cnt, int align) {
+    uint32_t b[kElems];
+    load_bits8(p, b, cnt, align);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) v[i] = i < cnt ? q8_to_float(elem_from_bits<T>(b[i])) : 0.0f;
+}
+
+// 8 values rounded to T: to nearest, or stochastically with the bits of q8_sr_bits(key, index + i).
+template <class T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[kElems], int cnt, int align, bool stochastic = false,
+                                       uint32_t key = 0u, int64_t index = 0) {
+    uint32_t b[kElems];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        T h;
+        if (stochastic) q8_store_sr(&h, v[i], q8_sr_bits(key, (uint32_t)(index + i)));
+        else q8_store(&h, v[i]);
+        b[i] = elem_bits(h);
     }
-    for (int i = 0; i < cnt; ++i) c[i] = (uint8_t)idx[i];
+    store_bits8(p, b, cnt, align);
 }
 
 // ------------------------------------------------------------------ block absmax
@@ -128,172 +176,346 @@ __device__ __forceinline__ float qblock_absmax(float local, int T, float* red) {
     return m;
 }
 
-__device__ __forceinline__ uint32_t quantize_one(float x, float scale, const uint32_t* lookup) {
-    return q8_quantize_scaled(x * scale, lookup);
+// ------------------------------------------------------------------ nearest code
+// The segment search of q8_fastmap.h (the function the CPU's scalar driver runs) with its tables in
+// shared memory; values it cannot place exactly, and maps without the tables, go to the lookup table.
+// `lookup` is a lookup tensor of kDeviceLookupSize words (see q8_cuda_api.h).
+// Copies a map's FastMap into shared memory (every thread of the CUDA block takes part; the caller
+// synchronizes) and returns whether the map has one (uniform across the grid).
+__device__ __forceinline__ bool load_search(const uint32_t* lookup, FastMap& dst) {
+    const uint32_t* src = lookup + kLookupSize;
+    uint32_t* words = reinterpret_cast<uint32_t*>(&dst);
+    for (int i = threadIdx.x; i < kFastWords; i += blockDim.x) words[i] = src[i];
+    return __ldg(src + kFastWords) != 0u;
 }
 
-// ------------------------------------------------------------------ fused step
-template <int K>
-struct StepPointers {
-    uint8_t* codes[2];
-    float* absmax[2];
-    const float* code[2];
-    const uint32_t* lookup[2];
+__device__ __forceinline__ uint32_t quantize_one(float x, float scale, bool fast, const FastMap& map,
+                                                 const uint32_t* lookup) {
+    const float y = x * scale;
+    return fast ? q8_quantize_fast(y, map, lookup) : q8_quantize_scaled(y, lookup);
+}
+
+// ------------------------------------------------------------------ tensor lists
+// A step launch covers up to kListTensors tensors, as torch's multi_tensor_apply does: the
+// per-tensor pointers travel in the kernel's parameter block (__grid_constant__, so that indexing
+// it by the CTA's tensor reads the parameter space instead of copying it to the stack), each tensor
+// owns a contiguous range of CTAs, and a CTA finds its tensor by binary search over first_cta.
+constexpr int kListTensors = 36;
+
+struct StepSlot {
+    void* param;
+    const void* grad;
+    void* state[Q8_MAX_STATES];  // uint8 codes, or float32 states for the fp32-state kernel
+    float* absmax[Q8_MAX_STATES];
+    int64_t numel;
+    int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
+    uint32_t sr_key;
+    int32_t align_param, align_grad, align_state;  // byte alignments, capped at 16 (load_words)
 };
 
+struct StepList {
+    const float* code[Q8_MAX_STATES];       // 8-bit states: the maps
+    const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors
+    const int32_t* skip;                    // null, or a device flag: non-zero means write nothing
+    int32_t block_size, threads_per_qblock, count;
+    bool stochastic;
+    int32_t first_cta[kListTensors + 1];
+    StepSlot slot[kListTensors];
+};
+static_assert(sizeof(StepList) + 64 <= 4000, "a StepList (and the rule) must fit the 4 KiB parameter block");
+
+// The tensor of this CTA: the last t with first_cta[t] <= blockIdx.x (uniform across the CTA).
+__device__ __forceinline__ int list_tensor(const StepList& list) {
+    int lo = 0, hi = list.count - 1;
+    const int b = (int)blockIdx.x;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (list.first_cta[mid] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+// Whether the step is to be skipped (a non-finite gradient found on the device): then no thread
+// writes anything. The same answer for every thread of the grid.
+__device__ __forceinline__ bool list_skipped(const StepList& list) {
+    return list.skip != nullptr && *list.skip != 0;
+}
+
+// The rule on each of the 8 values (its states s[k][i]); lanes past the tensor's end compute on zeros
+// and are never stored.
+template <class Rule, int K>
+__device__ __forceinline__ void apply_rule(const Rule& rule, float (&p)[kElems], const float (&g)[kElems],
+                                           float (&s)[K][kElems]) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        float sv[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) sv[k] = s[k][i];
+        rule(p[i], g[i], sv);
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k][i] = sv[k];
+    }
+}
+
+// ------------------------------------------------------------------ fused 8-bit step
 template <class Rule, class P, class G>
-__global__ void step_kernel(P* __restrict__ param, const G* __restrict__ grad, StepPointers<Rule::kStates> st,
-                            int64_t numel, int block_size, int T, bool vec, bool stochastic, uint32_t sr_key,
-                            int64_t sr_index, Rule rule) {
+__global__ void step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
+    if (list_skipped(list)) return;
     __shared__ float s_code[K][256];
+    __shared__ FastMap s_fast[K];
     __shared__ float red[1024 / 32];
-    for (int i = threadIdx.x; i < 256 * K; i += blockDim.x) s_code[i / 256][i % 256] = st.code[i / 256][i % 256];
+    bool fast[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[k][i] = list.code[k][i];
+        fast[k] = load_search(list.lookup[k], s_fast[k]);
+    }
     __syncthreads();
 
-    const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / T) + threadIdx.x / T;
+    const int t = list_tensor(list);
+    const StepSlot& a = list.slot[t];
+    P* param = static_cast<P*>(a.param);
+    const G* grad = static_cast<const G*>(a.grad);
+    const int T = list.threads_per_qblock, block_size = list.block_size;
+    const int64_t numel = a.numel;
+    const int64_t qblock = (int64_t)(blockIdx.x - list.first_cta[t]) * (blockDim.x / T) + threadIdx.x / T;
     const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % T) * kElems;
-    const int64_t nb = (numel + block_size - 1) / block_size;
-    const bool live = qblock < nb && start < numel;
+    const bool live = start < numel;  // the last CTA of a tensor may hold blocks past its end
     const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
 
     float p[kElems], g[kElems], s[K][kElems];
-    float local[K];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        p[i] = g[i] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
+    }
     if (live) {
-        load8(param + start, p, cnt, vec);
-        load8(grad + start, g, cnt, vec);
+        load8(param + start, p, cnt, a.align_param);
+        load8(grad + start, g, cnt, a.align_grad);
+#pragma unroll
         for (int k = 0; k < K; ++k) {
-            uint8_t c[kElems];
-            load_codes(st.codes[k] + start, c, cnt, vec);
-            const float am = st.absmax[k][qblock];
+            uint32_t c[kElems];
+            load_bits8(static_cast<const uint8_t*>(a.state[k]) + start, c, cnt, a.align_state);
+            const float am = a.absmax[k][qblock];
+#pragma unroll
             for (int i = 0; i < kElems; ++i) s[k][i] = s_code[k][c[i]] * am;
         }
-        for (int i = 0; i < kElems; ++i) {
-            float sv[K];
-            for (int k = 0; k < K; ++k) sv[k] = s[k][i];
-            rule(p[i], g[i], sv);
-            for (int k = 0; k < K; ++k) s[k][i] = sv[k];
-        }
-        if (stochastic) {
-            for (int i = 0; i < cnt; ++i)
-                q8_store_sr(&param[start + i], p[i], q8_sr_bits(sr_key, (uint32_t)(sr_index + start + i)));
-        } else {
-            store8(param + start, p, cnt, vec);
-        }
+        apply_rule(rule, p, g, s);
+        store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
     }
+#pragma unroll
     for (int k = 0; k < K; ++k) {
-        local[k] = 0.0f;
-        for (int i = 0; i < cnt; ++i) local[k] = q8_absmax_step(local[k], s[k][i]);
-    }
-    for (int k = 0; k < K; ++k) {
-        const float absmax = qblock_absmax(local[k], T, red);
+        float local = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i)
+            if (i < cnt) local = q8_absmax_step(local, s[k][i]);
+        const float absmax = qblock_absmax(local, T, red);  // every thread takes part (shuffles, barriers)
         if (!live) continue;
-        if (threadIdx.x % T == 0) st.absmax[k][qblock] = absmax;
+        if (threadIdx.x % T == 0) a.absmax[k][qblock] = absmax;
         const float scale = q8_block_scale(absmax);
         uint32_t idx[kElems];
-        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, st.lookup[k]);
-        store_codes(st.codes[k] + start, idx, cnt, vec);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], list.lookup[k]);
+        store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
     }
+}
+
+// ------------------------------------------------------------------ fused step on float32 states
+// The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): 8 values per
+// thread, kFp32Threads threads per CTA, no maps and no block maxima.
+constexpr int kFp32Threads = 256;
+
+template <class Rule, class P, class G>
+__global__ void step_fp32_kernel(const __grid_constant__ StepList list, const Rule rule) {
+    constexpr int K = Rule::kStates;
+    if (list_skipped(list)) return;
+    const int t = list_tensor(list);
+    const StepSlot& a = list.slot[t];
+    const int64_t start = ((int64_t)(blockIdx.x - list.first_cta[t]) * blockDim.x + threadIdx.x) * kElems;
+    if (start >= a.numel) return;
+    const int cnt = (int)(a.numel - start < kElems ? a.numel - start : kElems);
+    P* param = static_cast<P*>(a.param);
+    float p[kElems], g[kElems], s[K][kElems];
+    load8(param + start, p, cnt, a.align_param);
+    load8(static_cast<const G*>(a.grad) + start, g, cnt, a.align_grad);
+#pragma unroll
+    for (int k = 0; k < K; ++k) load8(static_cast<const float*>(a.state[k]) + start, s[k], cnt, a.align_state);
+    apply_rule(rule, p, g, s);
+    store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
+#pragma unroll
+    for (int k = 0; k < K; ++k) store8(static_cast<float*>(a.state[k]) + start, s[k], cnt, a.align_state);
 }
 
 // ------------------------------------------------------------------ (de)quantize
 template <class T>
 __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ absmax,
-                                const uint32_t* __restrict__ lookup, int64_t numel, int block_size, int Tq, bool vec) {
+                                const uint32_t* __restrict__ lookup, int64_t numel, int block_size, int Tq,
+                                int x_align, int codes_align) {
     __shared__ float red[1024 / 32];
+    __shared__ FastMap s_fast;
+    const bool fast = load_search(lookup, s_fast);
+    __syncthreads();
     const int64_t qblock = (int64_t)blockIdx.x * (blockDim.x / Tq) + threadIdx.x / Tq;
     const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % Tq) * kElems;
     const int64_t nb = (numel + block_size - 1) / block_size;
     const bool live = qblock < nb && start < numel;
     const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
     float v[kElems];
-    if (live) load8(x + start, v, cnt, vec);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) v[i] = 0.0f;
+    if (live) load8(x + start, v, cnt, x_align);
     float local = 0.0f;
-    for (int i = 0; i < cnt; ++i) local = q8_absmax_step(local, v[i]);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        if (i < cnt) local = q8_absmax_step(local, v[i]);
     const float am = qblock_absmax(local, Tq, red);
     if (!live) return;
     if (threadIdx.x % Tq == 0) absmax[qblock] = am;
     const float scale = q8_block_scale(am);
     uint32_t idx[kElems];
-    for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, lookup);
-    store_codes(codes + start, idx, cnt, vec);
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, fast, s_fast, lookup);
+    store_bits8(codes + start, idx, cnt, codes_align);
 }
 
 template <class T>
 __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ codes,
                                   const float* __restrict__ absmax, const float* __restrict__ code, int64_t numel,
-                                  int block_size, bool vec) {
+                                  int block_size, int out_align, int codes_align) {
     __shared__ float s_code[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[i] = code[i];
     __syncthreads();
     const int64_t start = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) * kElems;
     if (start >= numel) return;
     const int cnt = (int)(numel - start < kElems ? numel - start : kElems);
-    uint8_t c[kElems];
-    load_codes(codes + start, c, cnt, vec);
+    uint32_t c[kElems];
+    load_bits8(codes + start, c, cnt, codes_align);
     const float am = absmax[start / block_size];  // 8 elements never straddle a block (block_size % 8 == 0)
     float v[kElems];
+#pragma unroll
     for (int i = 0; i < kElems; ++i) v[i] = s_code[c[i]] * am;
-    store8(out + start, v, cnt, vec);
+    store8(out + start, v, cnt, out_align);
 }
 
 // ------------------------------------------------------------------ host side
-bool aligned(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+// The byte alignment of a pointer, capped at 16 (what load_words can use).
+int alignment(const void* p) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    return a % 16 == 0 ? 16 : a % 8 == 0 ? 8 : a % 4 == 0 ? 4 : a % 2 == 0 ? 2 : 1;
+}
+
+int min_alignment(int a, int b) { return a < b ? a : b; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Launches one kernel per kListTensors tensors of the batch (tensors without elements are left
+// out). `ctas_of(t)` is the number of CTAs of tensor t, `fill(slot, t)` its slot beyond the pointers
+// common to both kernels.
+template <class Kernel, class Rule, class Ctas>
+void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& rule, int threads, Ctas ctas_of) {
+    constexpr int K = Rule::kStates;
+    auto stream = c10::cuda::getCurrentCUDAStream();
+    const size_t n = b.params.size();
+    size_t t = 0;
+    while (t < n) {
+        list.count = 0;
+        int64_t ctas = 0;
+        for (; t < n && list.count < kListTensors; ++t) {
+            const int64_t numel = b.params[t].numel();
+            if (numel == 0) continue;
+            const int64_t c = ctas_of(numel);
+            TORCH_CHECK_VALUE(c < INT32_MAX, "tensor ", t, " (", numel, " elements) needs more CUDA blocks than one "
+                              "launch holds");
+            if (ctas + c > INT32_MAX) break;  // the next launch takes it
+            StepSlot& s = list.slot[list.count];
+            s = StepSlot{};
+            s.param = b.params[t].data_ptr();
+            s.grad = b.grads[t].data_ptr();
+            s.numel = numel;
+            s.align_param = alignment(s.param);
+            s.align_grad = alignment(s.grad);
+            s.align_state = 16;
+            for (int k = 0; k < K; ++k) {
+                s.state[k] = b.states[t][k].data_ptr();
+                s.align_state = min_alignment(s.align_state, alignment(s.state[k]));
+                if (!b.absmax.empty()) s.absmax[k] = b.absmax[t][k].data_ptr<float>();
+            }
+            if (b.stochastic) {
+                s.sr_key = (uint32_t)b.sr_keys[t];
+                s.sr_index = b.sr_index[t];
+            }
+            list.first_cta[list.count++] = (int32_t)ctas;
+            ctas += c;
+        }
+        if (list.count == 0) continue;
+        list.first_cta[list.count] = (int32_t)ctas;
+        kernel<<<(unsigned)ctas, threads, 0, stream>>>(list, rule);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+}
 
 template <class Rule, class P, class G>
-void launch_step(const StepTensors& t, const Rule& rule) {
+void launch_step(const StepBatch& b, const Rule& rule) {
     constexpr int K = Rule::kStates;
-    const int64_t n = t.param.numel();
-    const Geometry geo = geometry(n, t.block_size);
-    StepPointers<K> st{};
-    bool vec = aligned(t.param.data_ptr(), 16) && aligned(t.grad.data_ptr(), 16);
-    for (int k = 0; k < K; ++k) {
-        st.codes[k] = t.states[k].data_ptr<uint8_t>();
-        st.absmax[k] = t.absmax[k].data_ptr<float>();
-        st.code[k] = t.maps[k].data_ptr<float>();
-        st.lookup[k] = reinterpret_cast<const uint32_t*>(t.lookups[k].data_ptr<int32_t>());
-        vec = vec && aligned(st.codes[k], 8);
+    StepList list{};
+    list.skip = b.skip;
+    list.stochastic = b.stochastic;
+    if (b.fp32_states) {
+        const int64_t per_cta = (int64_t)kFp32Threads * kElems;
+        launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kFp32Threads,
+                     [per_cta](int64_t numel) { return ceil_div(numel, per_cta); });
+        return;
     }
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    step_kernel<Rule, P, G><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(
-        reinterpret_cast<P*>(t.param.data_ptr()), reinterpret_cast<const G*>(t.grad.data_ptr()), st, n,
-        (int)t.block_size, geo.threads_per_qblock, vec, t.stochastic, t.sr_key, t.sr_index, rule);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const Geometry geo = geometry(1, b.block_size);
+    list.block_size = (int32_t)b.block_size;
+    list.threads_per_qblock = geo.threads_per_qblock;
+    for (int k = 0; k < K; ++k) {
+        list.code[k] = b.maps[k].data_ptr<float>();
+        list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
+    }
+    const int64_t bs = b.block_size, qpc = geo.qblocks_per_cta;
+    launch_lists(b, list, step_kernel<Rule, P, G>, rule, geo.threads,
+                 [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
 }
 
 template <class Rule>
-bool launch_dtypes(const StepTensors& t, const Rule& rule) {
-    const auto p = t.param.scalar_type(), g = t.grad.scalar_type();
+bool launch_dtypes(const StepBatch& b, const Rule& rule) {
+    const auto p = b.params[0].scalar_type(), g = b.grads[0].scalar_type();
     const auto f32 = at::kFloat, f16 = at::kHalf, bf16 = at::kBFloat16;
-    if (p == f32 && g == f32) return launch_step<Rule, float, float>(t, rule), true;
-    if (p == f16 && g == f16) return launch_step<Rule, q8_half, q8_half>(t, rule), true;
-    if (p == bf16 && g == bf16) return launch_step<Rule, q8_bf16, q8_bf16>(t, rule), true;
-    if (p == f16 && g == f32) return launch_step<Rule, q8_half, float>(t, rule), true;
-    if (p == bf16 && g == f32) return launch_step<Rule, q8_bf16, float>(t, rule), true;
+    if (p == f32 && g == f32) return launch_step<Rule, float, float>(b, rule), true;
+    if (p == f16 && g == f16) return launch_step<Rule, q8_half, q8_half>(b, rule), true;
+    if (p == bf16 && g == bf16) return launch_step<Rule, q8_bf16, q8_bf16>(b, rule), true;
+    if (p == f16 && g == f32) return launch_step<Rule, q8_half, float>(b, rule), true;
+    if (p == bf16 && g == f32) return launch_step<Rule, q8_bf16, float>(b, rule), true;
     return false;
 }
 
 }  // namespace
 
-void cuda_step(const StepTensors& t, const std::map<std::string, double>& hyper) {
-    if (t.param.numel() == 0) return;
-    const c10::cuda::CUDAGuard guard(t.param.device());
+void cuda_step_many(const StepBatch& b, const std::map<std::string, double>& hyper) {
+    if (b.params.empty()) return;
+    const c10::cuda::CUDAGuard guard(b.params[0].device());
     auto get = [&](const char* name) -> double {
         auto it = hyper.find(name);
-        TORCH_CHECK_VALUE(it != hyper.end(), "update rule '", t.rule, "' needs hyperparameter '", name, "'");
+        TORCH_CHECK_VALUE(it != hyper.end(), "update rule '", b.rule, "' needs hyperparameter '", name, "'");
         return it->second;
     };
 #define Q8_TRY_RULE(NAME, RULE)                                                                              \
-    if (t.rule == NAME) {                                                                                    \
-        TORCH_CHECK_VALUE(t.states.size() == (size_t)RULE::kStates, "update rule '", t.rule, "' keeps ",     \
-                          RULE::kStates, " states, got ", t.states.size());                                  \
-        TORCH_CHECK_VALUE(launch_dtypes(t, RULE(get)), "no CUDA kernel for param ", t.param.scalar_type(),   \
-                          " with grad ", t.grad.scalar_type(), " (grad must have the param's dtype or float32)"); \
+    if (b.rule == NAME) {                                                                                    \
+        for (const auto& st : b.states)                                                                      \
+            TORCH_CHECK_VALUE(st.size() == (size_t)RULE::kStates, "update rule '", b.rule, "' keeps ",        \
+                              RULE::kStates, " states, got ", st.size());                                   \
+        TORCH_CHECK_VALUE(launch_dtypes(b, RULE(get)), "no CUDA kernel for param ", b.params[0].scalar_type(), \
+                          " with grad ", b.grads[0].scalar_type(),                                           \
+                          " (grad must have the param's dtype or float32)");                                 \
         return;                                                                                              \
     }
     Q8_RULES(Q8_TRY_RULE)
 #undef Q8_TRY_RULE
-    TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", t.rule, "'");
+    TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", b.rule, "'");
 }
 
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
@@ -302,13 +524,13 @@ void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, c
     if (n == 0) return;
     const c10::cuda::CUDAGuard guard(x.device());
     const Geometry geo = geometry(n, block_size);
-    const bool vec = aligned(x.data_ptr(), 16) && aligned(codes.data_ptr(), 8);
+    const int x_align = alignment(x.data_ptr()), codes_align = alignment(codes.data_ptr());
     auto stream = c10::cuda::getCurrentCUDAStream();
     const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
     quantize_kernel<T><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(                                      \
         reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), lk, n, \
-        (int)block_size, geo.threads_per_qblock, vec)
+        (int)block_size, geo.threads_per_qblock, x_align, codes_align)
     switch (x.scalar_type()) {
         case at::kFloat: Q8_QUANTIZE(float); break;
         case at::kHalf: Q8_QUANTIZE(q8_half); break;
@@ -326,12 +548,12 @@ void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at
     const c10::cuda::CUDAGuard guard(codes.device());
     const int threads = kMinThreads;
     const int64_t grid = (n + (int64_t)threads * kElems - 1) / ((int64_t)threads * kElems);
-    const bool vec = aligned(out.data_ptr(), 16) && aligned(codes.data_ptr(), 8);
+    const int out_align = alignment(out.data_ptr()), codes_align = alignment(codes.data_ptr());
     auto stream = c10::cuda::getCurrentCUDAStream();
 #define Q8_DEQUANTIZE(T)                                                                                     \
     dequantize_kernel<T><<<(unsigned)grid, threads, 0, stream>>>(                                            \
         reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),          \
-        code.data_ptr<float>(), n, (int)block_size, vec)
+        code.data_ptr<float>(), n, (int)block_size, out_align, codes_align)
     switch (out.scalar_type()) {
         case at::kFloat: Q8_DEQUANTIZE(float); break;
         case at::kHalf: Q8_DEQUANTIZE(q8_half); break;
