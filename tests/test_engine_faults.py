@@ -121,10 +121,18 @@ def test_engine_refuses_a_damaged_shard_on_every_rank(engine_faults, tag, bad_ra
     assert engine_faults["good_loaded_step"] == [[2], [2]]
 
 
+def test_inf_on_one_rank_skips_by_the_clip_norm_without_reading_gradients(engine_faults):
+    # bf16 ZeRO-2 with check_grad_overflow off: DeepSpeed steps on; its (global) norm is Inf on both ranks
+    r = engine_faults["inf_by_norm"]
+    assert r["reads"] == [0, 0] and r["by_norm"] == [1, 1]
+    assert r["skipped"] == [1, 1] and r["unchanged"] == [True, True]
+
+
 def test_inf_on_one_rank_makes_both_ranks_skip(engine_faults):
+    # the same without a norm from the engine: each rank reads its gradients, the all-reduce agrees
     r = engine_faults["inf"]
     assert sorted(r["local_nonfinite"]) == [False, True]  # only one rank's partition held the Inf
-    assert r["skipped"] == [1, 1] and r["unchanged"] == [True, True]
+    assert r["skipped"] == [2, 2] and r["unchanged"] == [True, True]
     assert r["next_step_updates"] == [True, True]
 
 

@@ -102,26 +102,40 @@ def main():
     engine.load_checkpoint(str(ck), tag="good")  # the check does not get in the way of a whole checkpoint
     result["good_loaded_step"] = gathered(sorted({int(st["step"]) for st in engine.optimizer.optimizer.state.values()}))
 
-    # an Inf in one element of one rank's gradient
+    # an Inf in one element of one rank's gradient, twice: the norm DeepSpeed computed for clipping
+    # answers the check (no read of the gradients), then, as without clipping, the gradients are read
+    # and the ranks agree through the all-reduce
+    opt = engine.optimizer.optimizer
     seen = []
     local_check = nonfinite._any_nonfinite
 
-    def recording(grads):
-        flag = local_check(grads)
+    def recording(grads, use_kernel):
+        flag = local_check(grads, use_kernel)
         seen.append(bool(flag))
         return flag
 
     nonfinite._any_nonfinite = recording
+
+    def poisoned_step(step):
+        hook = None
+        if rank == 0:
+            hook = engine.module.fc2.weight.register_hook(
+                lambda g: g.index_put((torch.tensor([5]), torch.tensor([7])), torch.tensor(float("inf"), dtype=g.dtype)))
+        train_step(engine, step, rank)
+        if hook is not None:
+            hook.remove()
+
     before = snapshot(engine)
-    hook = None
-    if rank == 0:
-        hook = engine.module.fc2.weight.register_hook(lambda g: g.index_put((torch.tensor([5]), torch.tensor([7])),
-                                                                             torch.tensor(float("inf"), dtype=g.dtype)))
-    train_step(engine, 3, rank)
-    if hook is not None:
-        hook.remove()
+    checks = dict(opt.nonfinite_checks)
+    poisoned_step(3)
+    result["inf_by_norm"] = {"reads": gathered(len(seen)), "skipped": gathered(opt.skipped_steps),
+                             "by_norm": gathered(opt.nonfinite_checks["norm"] - checks.get("norm", 0)),
+                             "unchanged": gathered(same(before, snapshot(engine)))}
+    source, opt.grad_norm_source = opt.grad_norm_source, None
+    poisoned_step(3)
+    opt.grad_norm_source = source
     result["inf"] = {"local_nonfinite": gathered(seen[-1]),
-                     "skipped": gathered(engine.optimizer.optimizer.skipped_steps),
+                     "skipped": gathered(opt.skipped_steps),
                      "unchanged": gathered(same(before, snapshot(engine)))}
     train_step(engine, 4, rank)
     result["inf"]["next_step_updates"] = gathered(not same(before, snapshot(engine)))
