@@ -18,7 +18,7 @@ which then takes back the step counts that the skipped step had advanced.
 from __future__ import annotations
 
 import warnings
-from typing import List, Optional
+from typing import List
 
 import torch
 
@@ -115,7 +115,7 @@ class PendingSkips:
                 report_skip(optimizer)
 
 
-def skip_on_device(optimizer, work) -> Optional[bool]:
+def skip_on_device(optimizer, work) -> bool:
     """Whether this step's non-finite decision can stay on the device: ``"skip"`` mode, every
     gradient a CUDA tensor, and some group using kernels."""
     from .. import ops
