@@ -23,7 +23,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 N=${N:-1500000000}
-PY=${PYTHON:-python3}
+source launch/python.sh  # PY: PYTHON, the active or .venv environment, else python3
 DRY_RUN=${DRY_RUN:-0}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1

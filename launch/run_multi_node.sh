@@ -11,10 +11,12 @@
 # MASTER_ADDR  address of the first host as the others reach it (default: the launcher's choice)
 # MASTER_PORT  rendezvous port (default 29500)
 # LAUNCHER_ARGS extra arguments for the pdsh/mpirun command, passed through --launcher_args
+# PYTHON       the interpreter (default: see launch/python.sh); every host runs the one at the same path
 #
 # The repository must be at the same path on every host, with the same Python environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source launch/python.sh
 HOSTFILE=${HOSTFILE:-launch/hostfile}
 LAUNCHER=${LAUNCHER:-pdsh}
 case "$LAUNCHER" in
@@ -30,4 +32,4 @@ if [[ -n "${MASTER_ADDR:-}" ]]; then ARGS+=(--master_addr "$MASTER_ADDR"); fi
 if [[ -n "${LAUNCHER_ARGS:-}" ]]; then ARGS+=(--launcher_args "$LAUNCHER_ARGS"); fi
 # one host in the file would otherwise be started as a local job, skipping the chosen launcher
 if [[ "$(grep -cv '^\s*\(#\|$\)' "$HOSTFILE")" == 1 ]]; then ARGS+=(--force_multi --no_ssh_check); fi
-exec deepspeed "${ARGS[@]}" launch/train_gpt.py "$@"
+exec "$PY" -m deepspeed.launcher.runner "${ARGS[@]}" launch/train_gpt.py "$@"

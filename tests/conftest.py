@@ -1,5 +1,9 @@
+import atexit
 import importlib.util
 import os
+import shutil
+import sys
+import tempfile
 
 
 def _find_cuda_home():
@@ -15,6 +19,34 @@ def _find_cuda_home():
 
 if _find_cuda_home():
     os.environ.setdefault("CUDA_HOME", _find_cuda_home())  # inherited by every job the tests start
+
+#: what a bare interpreter from PATH says under the tests (tests/test_interpreters.py checks it)
+BARE_INTERPRETER_MESSAGE = "a bare interpreter was called from PATH; use sys.executable"
+BARE_INTERPRETER_EXIT = 97
+
+
+def _guard_interpreters() -> str:
+    """Every job the tests start must run the interpreter of this environment (``sys.executable``), not
+    whichever ``python`` a machine has on PATH: on a machine whose packages live in a virtual environment
+    that one has no torch, and a test that works only where it has torch hides the bug. So the first
+    ``python``, ``python3``, ``pip`` and ``pip3`` on PATH are stubs that fail with one clear line. Next on
+    PATH comes this environment's own bin/ (its ninja, mpiexec, deepspeed), as activating it would put
+    it, and PYTHON tells the launch scripts (launch/python.sh) which interpreter to run."""
+    stubs = tempfile.mkdtemp(prefix="ds_q8_bare_python_")
+    atexit.register(shutil.rmtree, stubs, True)
+    for name in ("python", "python3", "pip", "pip3"):
+        path = os.path.join(stubs, name)
+        with open(path, "w") as f:
+            f.write(f"#!/bin/sh\necho \"{BARE_INTERPRETER_MESSAGE} (it was: {name} $*)\" >&2\n"
+                    f"exit {BARE_INTERPRETER_EXIT}\n")
+        os.chmod(path, 0o755)
+    env_bin = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([stubs, env_bin, os.environ.get("PATH", "")])
+    os.environ["PYTHON"] = sys.executable
+    return stubs
+
+
+BARE_INTERPRETER_STUBS = _guard_interpreters()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -164,7 +165,7 @@ def test_memory_plan_matches_the_zero2_formula():
 
 @pytest.mark.slow
 def test_memory_plan_printout_counts_gpt2_xl_on_the_meta_device():
-    out = run(["python", LAUNCH / "memory_plan.py"], timeout=120).stdout
+    out = run([sys.executable, LAUNCH / "memory_plan.py"], timeout=120).stdout
     assert "1,557,611,200 = 1.5576e9 params" in out
     for n in ("| 1 |", "| 8 |", "| 64 |"):
         assert n in out
