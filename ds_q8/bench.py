@@ -85,8 +85,9 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
                 _SKIPPED.add(name)
                 print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
 
-    def ds_q8_kernel(nonfinite, engine_norm=False):
-        opt = ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel")
+    def ds_q8_kernel(nonfinite, engine_norm=False, state_rounding="stochastic"):
+        opt = ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel",
+                                   state_rounding=state_rounding)
         if engine_norm:  # what the DeepSpeed integration hands over when the engine clips gradients
             norm = torch.ones((), device=device)
             opt.grad_norm_source = lambda: norm
@@ -98,6 +99,9 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     add("ds_q8 AdamW8bitBlock (kernel, check answered by the clip norm)", BYTES_8BIT,
         lambda: ds_q8_kernel("skip", engine_norm=True))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
+    # the cost of requantizing the second moment stochastically (the default) instead of to nearest
+    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, state_rounding=nearest)", BYTES_8BIT,
+        lambda: ds_q8_kernel("off", state_rounding="nearest"))
     if with_reference:
         add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
             lambda: ds_q8.AdamW8bitBlock(_param(n, device, 1), lr=LR, weight_decay=WD, impl="reference").step)

@@ -20,6 +20,22 @@ Exact rounding rule (kernels reproduce it bit for bit):
 * ``y = x * scale`` (one float32 multiply).
 * ``index = #{ i : mid[i] < y }`` where ``mid[i] = (code[i] + code[i + 1]) * 0.5f`` in float32;
   a value exactly on a midpoint goes to the lower entry.
+* The zero point: in a map whose smallest entry is 0 (the unsigned maps, for states that are never
+  negative: second moments, Adagrad's sum) ``mid[0] = 0``. Code 0 then holds exact zeros only, and
+  every positive value takes at least code 1, the smallest positive entry (3.25e-7 of the block
+  maximum in the dynamic map). Rounded to nearest, a second moment below half of that would be
+  stored as 0: its history wiped at every step, the element would step as if its gradient had just
+  appeared, several times too far. Rounded up, it is at most the smallest entry: that element's step
+  can only shrink. Signed maps keep nearest rounding: a first moment rounded to 0 makes its step
+  shorter, and rounding it up to the smallest entry of its sign could make the step much longer.
+
+Stochastic requantization (the optimizers' second moments, ``state_rounding="stochastic"``): with 32
+random bits ``r`` per element, the value goes to one of the two entries around it, the upper one with
+probability equal to how far toward it the value lies, so that the stored state is right on average.
+From the nearest index ``n`` above: ``lo, hi = (n, n + 1)`` if ``y >= code[n]`` else ``(n - 1, n)``
+(clamped to [0, 255]); ``u = (r >> 8) * 2**-24``; the index is ``hi`` when
+``u * (code[hi] - code[lo]) < y - code[lo]`` (float32), else ``lo``; then the zero point of unsigned
+maps applies (a positive value takes at least code 1) and NaN takes 255. A value on an entry stays there.
 
 Dequantization is ``code[index] * absmax[b]`` in float32, then a cast to the requested dtype.
 """
@@ -114,8 +130,13 @@ def _check_code(code: Optional[torch.Tensor], device) -> torch.Tensor:
 
 
 def midpoints(code: torch.Tensor) -> torch.Tensor:
-    """Decision boundaries between neighbouring map entries, float32 (255 values)."""
-    return (code[:-1] + code[1:]) * 0.5
+    """Decision boundaries between neighbouring map entries, float32 (255 values): their midpoints,
+    except that a map whose smallest entry is 0 has its first boundary at 0 (the zero point, see the
+    module doc)."""
+    mid = (code[:-1] + code[1:]) * 0.5
+    if code.numel():  # as tensor operations: no host sync for a map on a GPU
+        mid[0] = torch.where(code[0] == 0, torch.zeros_like(mid[0]), mid[0])
+    return mid
 
 
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -129,15 +150,34 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return a.view(nb, block_size).amax(dim=1)
 
 
-def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Codes of a flat float32 tensor given its per-block absmax (no validation: internal)."""
+def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int,
+                         random_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes of a flat float32 tensor given its per-block absmax (no validation: internal): to the
+    nearest entry, or stochastically with ``random_bits`` (32 per element, int64; see the module doc)."""
     n = x.numel()
     nb = absmax.numel()
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     pad = nb * block_size - n
     xs = torch.nn.functional.pad(x, (0, pad)) if pad else x
     y = (xs.view(nb, block_size) * scale[:, None]).reshape(-1)[:n]
-    idx = torch.searchsorted(midpoints(code), y, right=False)
+    return quantize_scaled(y, code, random_bits)
+
+
+def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[torch.Tensor] = None,
+                    mid: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes of values already divided by their block's absmax: nearest, or stochastic (module doc).
+    ``mid`` may give :func:`midpoints` of ``code``, computed once."""
+    idx = torch.searchsorted(midpoints(code) if mid is None else mid, y, right=False)
+    if random_bits is None:
+        return idx.to(torch.uint8)
+    up = y >= code[idx.clamp(max=255)]
+    nb = torch.where(up, idx + 1, idx - 1).clamp(0, 255)
+    lo, hi = torch.where(up, idx, nb), torch.where(up, nb, idx)
+    c_lo = code[lo]
+    u = (random_bits >> 8).to(torch.float32) * 5.9604644775390625e-08  # 24 bits times 2^-24, exact
+    idx = torch.where(u * (code[hi] - c_lo) < y - c_lo, hi, lo)
+    idx = torch.where((code[0] == 0) & (y > 0) & (idx == 0), torch.ones_like(idx), idx)  # the zero point
+    idx = torch.where(torch.isnan(y), torch.full_like(idx, 255), idx)
     return idx.to(torch.uint8)
 
 
@@ -230,12 +270,13 @@ def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:
     (float64, 256 values). Times absmax, it bounds the round-trip error of each element.
 
     The outer entries also cover the ends of the range: the signed dynamic map has no -1.0, so
-    its first entry takes every value down to -1.
+    its first entry takes every value down to -1. In a map whose smallest entry is 0 (unsigned)
+    code 1 takes every positive value down to 0 (the zero point) and code 0 no positive one.
     """
     c = code.double()
-    half_gaps = (c[1:] - c[:-1]) / 2
-    left = torch.cat([(c[:1] + 1.0).clamp(min=0.0), half_gaps])
-    right = torch.cat([half_gaps, (1.0 - c[-1:]).clamp(min=0.0)])
+    mid = midpoints(code).double()
+    left = torch.cat([(c[:1] + 1.0).clamp(min=0.0), c[1:] - mid])
+    right = torch.cat([mid - c[:-1], (1.0 - c[-1:]).clamp(min=0.0)])
     return torch.maximum(left, right)
 
 

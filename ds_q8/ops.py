@@ -140,16 +140,16 @@ def _op_for(t: torch.Tensor):
     return load_op(t.device.type)
 
 
-def _call(module, name, t, *args, skip=None):
-    """``module.<name>(*args)``, counted; CPU entry points take the instruction set first, CUDA step
-    entry points an optional device skip flag last."""
+def _call(module, name, t, *args, skip=None, **kwargs):
+    """``module.<name>(*args, **kwargs)``, counted; CPU entry points take the instruction set first, CUDA
+    step entry points an optional device skip flag."""
     kind = t.device.type
     CALLS[(kind, name)] += 1
     if kind == "cpu":
-        return getattr(module, name)(cpu_isa(module), *args)
+        return getattr(module, name)(cpu_isa(module), *args, **kwargs)
     if skip is not None:
-        return getattr(module, name)(*args, skip=skip)
-    return getattr(module, name)(*args)
+        return getattr(module, name)(*args, skip=skip, **kwargs)
+    return getattr(module, name)(*args, **kwargs)
 
 
 def _kernel_maps(optimizer, group, device, module, strict):
@@ -206,16 +206,18 @@ def fused_step(optimizer, p, grad, codes, absmax, group, hyper) -> bool:
     return not fused_step_many(optimizer, [(p, grad, tuple(codes), tuple(absmax), None)], group, hyper)
 
 
-def fused_step_many(optimizer, items, group, hyper, skip=None) -> list:
+def fused_step_many(optimizer, items, group, hyper, skip=None, error_sums=None) -> list:
     """The 8-bit step of many tensors that share ``group`` and ``hyper``, in one kernel call.
 
     ``items`` are ``(param, grad, codes, absmax, rounding)``: a tensor or a piece of one (a view) whose
     first element starts a block, its gradient, its states' codes and block maxima, and None or
-    ``(key, index of its first element in its parameter)`` for stochastic rounding. They are batched
+    ``(key, index of its first element in its parameter)``: the random bits of stochastic rounding, of
+    16-bit parameter writes (``optimizer.stochastic_params``) and of states (``optimizer.stochastic_states``). They are batched
     by device and dtypes; each batch is one call (on CPU one parallel loop over all its blocks).
     Returns the items it did not step, which the caller steps with the reference (``impl="auto"``
     only: under ``impl="kernel"`` an item without a kernel raises). ``skip`` is a CUDA step's device
-    skip flag (``optim/nonfinite.py``), which the CUDA kernels read.
+    skip flag (``optim/nonfinite.py``), which the CUDA kernels read. ``error_sums`` (telemetry, one
+    float64 ``(states, 2)`` tensor per item) take each item's requantization error and magnitude.
     """
     rule, strict = _kernel_rule(optimizer, group, items)
     if rule is None:
@@ -224,6 +226,7 @@ def fused_step_many(optimizer, items, group, hyper, skip=None) -> list:
         return _no_kernel(items, strict, "block_size=None (one block per tensor) has no kernel")
     batches: Dict[tuple, list] = {}
     rest = []
+    sums_of = {id(it): s for it, s in zip(items, error_sums)} if error_sums is not None else {}
     for item in items:
         p, grad = item[0], item[1]
         why = _unsupported(p, grad)
@@ -254,9 +257,13 @@ def fused_step_many(optimizer, items, group, hyper, skip=None) -> list:
         params = [it[0] for it in batch]
         grads = [g if g.is_contiguous() else g.contiguous() for g in (it[1] for it in batch)]
         keys, index = _rounding_lists(batch, 4)
+        # the random bits serve 16-bit parameter writes and the stochastically requantized states
+        stochastic_params = bool(keys) and optimizer.stochastic_params(group, params[0])
+        stochastic_states = [bool(keys) and on for on in optimizer.stochastic_states(group)]
+        sums = [sums_of[id(it)] for it in batch] if sums_of else []
         _call(module, "step_many", params[0], rule, params, grads, [it[2] for it in batch], [it[3] for it in batch],
-              maps[0], maps[1], group["block_size"], dict(hyper), keys, index,
-              skip=skip if device.type == "cuda" else None)
+              maps[0], maps[1], group["block_size"], dict(hyper), keys, index, stochastic_params=stochastic_params,
+              stochastic_states=stochastic_states, error_sums=sums, skip=skip if device.type == "cuda" else None)
     return rest
 
 

@@ -88,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save_dir", default=str(REPO / "out" / "tiny-8bit"),
                     help="checkpoints, metrics.jsonl and summary.json")
     ap.add_argument("--save_interval", type=non_negative_int, default=100, help="0: save at the end only")
+    ap.add_argument("--quant_report_interval", type=non_negative_int, default=0,
+                    help="every N steps, the 8-bit state's telemetry in metrics.jsonl (rank 0's partition: codes at "
+                         "zero and at the extremes, requantization error); 0: off")
     ap.add_argument("--stop_at", type=positive_int, default=None,
                     help="stop after this step as if interrupted; the schedule still spans --max_steps")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
@@ -151,6 +154,12 @@ def innermost_optimizer(engine):
     while isinstance(getattr(opt, "optimizer", None), torch.optim.Optimizer):
         opt = opt.optimizer
     return opt
+
+
+def quantization_record(report: dict) -> dict:
+    """The totals of a quantization report as flat metrics: ``quant_<state>_<at_zero|at_extreme|rel_error>``."""
+    return {f"quant_{state}_{key}": value for state, stats in report["states"].items()
+            for key, value in stats.items() if value is not None}
 
 
 def optimizer_state_bytes(opt) -> int:
@@ -237,6 +246,15 @@ def main(argv=None) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     device = engine.device
     ds_q8.ops.load_op(torch.device(device).type)  # a first run compiles the kernels here, before the progress bar
+    telemetry = None
+    if args.quant_report_interval:
+        telemetry = innermost_optimizer(engine)
+        if isinstance(telemetry, ds_q8.optim.Optimizer8bitBlock):
+            telemetry.track_quantization(args.quant_report_interval)
+        else:
+            if rank == 0:
+                print(f"--quant_report_interval: {type(telemetry).__name__} keeps no 8-bit state; no telemetry")
+            telemetry = None
     mbs = engine.train_micro_batch_size_per_gpu()
     gas = engine.gradient_accumulation_steps()
     tokens_per_step = mbs * gas * world * args.context
@@ -292,6 +310,8 @@ def main(argv=None) -> dict:
         if last or (args.eval_interval and done % args.eval_interval == 0):
             eval_loss = evaluate(engine, val, args, mbs, rank, world, device)
             record.update(eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
+        if telemetry is not None and done % args.quant_report_interval == 0:
+            record.update(quantization_record(telemetry.quantization_report()))
         if rank == 0:
             log.write(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -41,6 +41,8 @@ INVALID = {
     "nesterov": [(1, "nesterov must be True or False")],
     "stochastic_rounding": [("yes", "stochastic_rounding must be true, false or null"),
                             (1, "stochastic_rounding must be true, false or null")],
+    "state_rounding": [("up", "state_rounding must be one of ('stochastic', 'nearest')"),
+                       (None, "state_rounding must be one of")],
     "impl": [("cuda", "impl must be one of ('auto', 'kernel', 'reference')"), (None, "impl must be one of")],
     "sr_seed": [(-1, "sr_seed must be an integer in [0, 4294967295]"), (2 ** 32, "sr_seed must be an integer"),
                 (1.0, "sr_seed must be an integer"), (True, "sr_seed must be an integer")],

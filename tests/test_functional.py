@@ -55,7 +55,44 @@ def brute_force_nearest(x: torch.Tensor, code: torch.Tensor, block_size: int):
     y = flat * scale.repeat_interleave(block_size)[: flat.numel()]
     mid = (code[:-1] + code[1:]) * 0.5
     idx = (y[:, None] > mid[None, :]).sum(1)
+    if float(code[0]) == 0.0:  # the zero point of unsigned maps: code 0 holds zeros only
+        idx = torch.where((y > 0) & (idx == 0), torch.ones_like(idx), idx)
     return idx.to(torch.uint8).view(x.shape), absmax
+
+
+def tiny_positive_values() -> torch.Tensor:
+    """Positive values from the smallest subnormal up to the map's smallest positive entry, each placed
+    in a block whose maximum is 1: far below half of that entry, nearest rounding would give code 0."""
+    return torch.cat([torch.tensor([1e-45, 1e-40, 1.2e-38]), torch.logspace(-37, -6.5, 300),
+                      torch.tensor([1.6e-7, 1.625e-7, 1.63e-7, 3e-7])])
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "linear"])
+def test_unsigned_maps_store_no_positive_value_as_zero(kind):
+    code = F.create_dynamic_map(False) if kind == "dynamic" else F.create_linear_map(False)
+    tiny = tiny_positive_values()
+    x = torch.cat([torch.ones(1), tiny, torch.tensor([0.0, -0.0])])
+    codes, absmax = F.quantize_blockwise(x, code, 4096)
+    assert float(absmax[0]) == 1.0
+    assert bool((codes[1:1 + tiny.numel()] >= 1).all())
+    assert codes[-2:].tolist() == [0, 0]  # zeros stay exact zeros
+    below = tiny < float(code[1])  # below the smallest positive entry: that entry, nothing larger
+    assert bool((codes[1:1 + tiny.numel()][below] == 1).all())
+    back = F.dequantize_blockwise(codes, absmax, code, 4096)
+    assert bool((back[1:1 + tiny.numel()] > 0).all())
+    ref_codes, _ = brute_force_nearest(x, code, 4096)
+    assert torch.equal(codes, ref_codes)
+
+
+def test_signed_maps_round_small_values_to_nearest_including_zero():
+    """The first moment keeps nearest rounding: a value below half the smallest entry reads back as 0."""
+    code = F.create_dynamic_map(True)
+    zero = int(torch.argmin(code.abs()))
+    tiny = tiny_positive_values()
+    tiny = tiny[tiny < float(code[zero + 1]) / 2]
+    x = torch.cat([torch.ones(1), tiny, -tiny])
+    codes, _ = F.quantize_blockwise(x, code, 4096)
+    assert bool((codes[1:] == zero).all())
 
 
 @pytest.mark.parametrize("signed", [True, False])

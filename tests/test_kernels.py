@@ -173,6 +173,48 @@ def test_step_extreme_gradients(isa):
         assert_same_run(kernel, reference)
 
 
+def unsigned_rules():
+    return [name for name, (cls, _) in RULES.items() if False in cls.state_signed]
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", unsigned_rules())
+@pytest.mark.parametrize("n,block_size", [(4 * 256, 256), (2 * 128 + 37, 128)])
+def test_step_keeps_small_second_moments_positive(isa, rule, n, block_size):
+    """A fused q/k/v projection in miniature: in every block a few elements get gradients 1e4 times
+    larger than the rest, so the others' squared gradients sit near 1e-8 of the block maximum, below
+    half of the unsigned map's smallest entry. Kernels and reference store them as code 1 or more,
+    never as 0, with the same bits."""
+    cls, kw = RULES[rule]
+    gen = torch.Generator().manual_seed(n)
+    grads = []
+    for s in range(4):
+        g = torch.randn(n, generator=gen) * 1e-4
+        g[::97] *= 1e4
+        grads.append(g)
+    kernel, reference = run_both(cls, kw, n, torch.float32, steps=4, block_size=block_size, grads=grads)
+    assert_same_run(kernel, reference)
+    pk, ok = kernel
+    state = ok.state[pk]
+    for i, signed in enumerate(cls.state_signed, start=1):
+        if not signed:
+            assert int((state[f"state{i}"] == 0).sum()) == 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["dynamic", "linear"])
+def test_quantize_keeps_positive_values_off_code_zero(cpu_op, isa, kind):
+    code = get_map(kind, False, "cpu")
+    tiny = torch.cat([torch.tensor([1e-45, 1e-40, 1.2e-38]), torch.logspace(-37, -6.5, 123)])
+    # whole blocks of 64 (the segment search of AVX-512) and a last block of 57 (the lookup table)
+    body = torch.cat([tiny, torch.zeros(1), -torch.zeros(1)])
+    x = torch.cat([torch.ones(1), body, torch.ones(1), tiny[:56]])
+    codes, absmax = cpu_op.quantize(isa, x, code, cpu_op.build_lookup(code), 64)
+    assert_same_bits(codes, F.quantize_with_absmax(x, F.block_absmax(x, 64), code, 64), "codes")
+    positive = x > 0
+    assert int((codes[positive] == 0).sum()) == 0 and int(codes[~positive].max()) == 0
+
+
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 def test_lion_sign_of_zero(isa):
     """Lion's sign treats +0 and -0 (and tiny values whose interpolation underflows) as torch.sign does."""

@@ -87,9 +87,10 @@ def run_plain(cls, sizes, steps, kw, bits=None):
     return params, opt
 
 
-def run_sharded(cls, sizes, world, stage, steps, kw, bits=None):
+def run_sharded(cls, sizes, world, stage, steps, kw, bits=None, setup=None):
     """Each 'rank' steps its flat partition in its own thread; returns the parameters reassembled
-    plus each parameter's dequantized state, and the per-rank optimizers."""
+    plus each parameter's dequantized state, and the per-rank optimizers. ``setup(opt)`` runs on each
+    rank's optimizer before its first step."""
     bits = bits or [8] * len(sizes)
     parts, lengths = partitions(sizes, world, stage)
     masters = make_params(sizes)
@@ -112,6 +113,8 @@ def run_sharded(cls, sizes, world, stage, steps, kw, bits=None):
         layout = StateLayout(flat.shape, segs[r], probe["block_size"], comm=ThreadComm(world, r, shared),
                              slots=slots, num_slots=len(slots), num_params=len(sizes))
         opt.register_layout(flat, layout)
+        if setup is not None:
+            setup(opt)
         flats.append(flat)
         opts.append(opt)
     errors = []

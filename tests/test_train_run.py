@@ -18,7 +18,7 @@ STEPS = ["--max_steps", "6", "--eval_interval", "3", "--save_interval", "3", "--
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = tmp_path_factory.mktemp("full")
-    proc = train(d, *SMALL, *STEPS, "--tensorboard")
+    proc = train(d, *SMALL, *STEPS, "--tensorboard", "--quant_report_interval", "2")
     return d, proc
 
 
@@ -37,6 +37,11 @@ def test_metrics_and_summary_are_written(uninterrupted):
     for r in rows:
         assert {"loss", "lr", "tokens_per_s", "step_time_s"} <= set(r) and math.isfinite(r["loss"])
     assert rows[-1]["loss"] < rows[0]["loss"]
+    # the 8-bit state's telemetry every 2 steps (it changes nothing: the run without it has the same losses)
+    assert [r["step"] for r in rows if "quant_exp_avg_sq_rel_error" in r] == [2, 4, 6]
+    for r in rows[1::2]:
+        assert 0 < r["quant_exp_avg_sq_rel_error"] < 0.05 and 0 <= r["quant_exp_avg_sq_at_zero"] < 0.05
+        assert 0 < r["quant_exp_avg_at_extreme"] < 0.05
     s = summary(d)
     assert s["optimizer"] == "Adam8bitBlock" and s["world_size"] == 1 and s["steps"] == 6
     assert s["final_eval_loss"] == rows[-1]["eval_loss"]

@@ -18,13 +18,14 @@ class Adagrad8bitBlock(Optimizer8bitBlock):
 
     def __init__(self, params, lr=1e-2, lr_decay=0.0, weight_decay=0.0, initial_accumulator_value=0.0, eps=1e-10,
                  block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, impl="auto",
+                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
                  nonfinite="skip"):
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps,
                                       block_size=block_size, min_8bit_size=min_8bit_size,
                                       optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed, impl=impl), nonfinite=nonfinite)
+                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
         check_range("lr_decay", group["lr_decay"], 0.0, math.inf)

@@ -7,6 +7,8 @@ from typing import Dict
 from .. import functional as F
 
 QUANTIZATIONS = ("dynamic", "linear")
+#: how the unsigned states (second moments) are requantized after each step
+STATE_ROUNDINGS = ("stochastic", "nearest")
 IMPLS = ("auto", "kernel", "reference")  # ds_q8.ops decides by it
 
 
@@ -31,7 +33,7 @@ def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, h
 
 def check_common_group(group: dict) -> None:
     """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization,
-    stochastic rounding and impl."""
+    stochastic rounding of parameters and of states, and impl."""
     check_range("lr", group["lr"], 0.0, math.inf)
     if group["block_size"] is not None:
         try:
@@ -51,6 +53,9 @@ def check_common_group(group: dict) -> None:
     if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
         raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
                          f"got {group['stochastic_rounding']!r}")
+    if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
+        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how second moments are requantized: "
+                         f"right on average, or to the nearest code), got {group.get('state_rounding')!r}")
     impl = group.get("impl", "auto")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} (kernels with the reference as fallback, kernels or an error, "
@@ -88,4 +93,4 @@ def beta_hyper(group: dict) -> Dict[str, float]:
 
 
 __all__ = ["check_range", "check_common_group", "resolve_betas", "check_betas", "check_adam_group", "beta_hyper",
-           "QUANTIZATIONS"]
+           "QUANTIZATIONS", "STATE_ROUNDINGS"]

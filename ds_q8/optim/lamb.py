@@ -25,11 +25,12 @@ class LAMB8bitBlock(Optimizer8bitBlock):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0,
                  block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, impl="auto",
+                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
                  nonfinite="skip"):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, block_size=block_size,
                                       min_8bit_size=min_8bit_size, optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed, impl=impl), nonfinite=nonfinite)
+                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
         check_adam_group(group)

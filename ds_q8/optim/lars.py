@@ -25,12 +25,13 @@ class LARS8bitBlock(Optimizer8bitBlock):
 
     def __init__(self, params, lr=1e-1, momentum=0.9, weight_decay=0.0, trust_coefficient=1e-3,
                  block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, impl="auto",
+                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
                  nonfinite="skip"):
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                       trust_coefficient=trust_coefficient, block_size=block_size,
                                       min_8bit_size=min_8bit_size, optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed, impl=impl), nonfinite=nonfinite)
+                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
         check_range("momentum", group["momentum"], 0.0, 1.0, lo_open=True, hi_open=True)

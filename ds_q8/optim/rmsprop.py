@@ -26,7 +26,7 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, impl="auto",
+                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
                  nonfinite="skip"):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bitBlock: its variance estimate "
@@ -41,7 +41,8 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                                       centered=centered, block_size=block_size, min_8bit_size=min_8bit_size,
                                       optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed, impl=impl), nonfinite=nonfinite)
+                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
+                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
 
     def _check_group(self, group: dict) -> None:
         check_range("alpha", group["alpha"], 0.0, 1.0)

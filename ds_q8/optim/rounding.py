@@ -1,4 +1,5 @@
-"""Stochastic rounding of 16-bit parameter writes: the specification the kernels reproduce.
+"""Stochastic rounding of 16-bit parameter writes and of state requantization: the random bits the
+kernels reproduce.
 
 With bf16 (or fp16) master weights an update smaller than half a unit in the last place rounds
 away, every step, and training stalls. Written with stochastic rounding, a value takes the 16-bit
@@ -10,7 +11,9 @@ its original parameter (below 2^32) and ``key`` folds in the seed, the step coun
 parameter's identity (its group and its position among the group's trainable parameters), so the
 bits do not depend on how ZeRO partitioned the parameter, and a resumed run draws what the
 uninterrupted one would. ``mix32`` is the murmur3 finalizer. The C++ and CUDA kernels implement the
-same functions in ``csrc/includes/q8_common.h`` (``q8_sr_bits``, ``q8_*_from_float_sr``).
+same functions in ``csrc/includes/q8_common.h`` (``q8_sr_bits``, ``q8_*_from_float_sr``,
+``q8_state_key``). The requantization of a state draws with :func:`state_key` of the parameter's key
+(``ds_q8.functional.quantize_with_absmax`` says how the bits pick a code).
 """
 from __future__ import annotations
 
@@ -40,6 +43,12 @@ def step_key(seed: int, step: int) -> int:
 def sr_key(step_part: int, group_index: int, param_index: int) -> int:
     """The key of one parameter's random bits at one step (``step_part`` from :func:`step_key`)."""
     return mix32(mix32(step_part ^ (group_index & _M32)) ^ (param_index & _M32))
+
+
+def state_key(key: int, state: int) -> int:
+    """The key of the random bits that requantize state ``state`` (0 or 1) of the parameter whose key is
+    ``key`` (:func:`sr_key`): drawn apart from the parameter's own bits and from the other state's."""
+    return mix32(key ^ ((0x9E3779B9 * (state + 1)) & _M32))
 
 
 def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -107,5 +116,5 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, key: Union[int, torch.
     return x.to(dtype)
 
 
-__all__ = ["mix32", "step_key", "sr_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
+__all__ = ["mix32", "step_key", "sr_key", "state_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
            "to_fp16_stochastic"]

@@ -117,6 +117,57 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         return m;
     }
 
+    // The low byte of each of 8 int32 lanes to out[0..cnt).
+    static void store_bytes(uint8_t* out, __m256i idx, int cnt) {
+        // byte 0 of each int32 -> the low 4 bytes of each 128-bit lane -> bytes 0..7
+        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(idx, pick), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+        uint8_t b[8];
+        _mm_storel_epi64((__m128i*)(cnt == W ? out : b), _mm256_castsi256_si128(bytes));
+        if (cnt != W) finish(out, b, cnt);
+    }
+
+    static __m256i mix32(__m256i h) {  // q8_mix32 on 8 lanes
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85EBCA6Bu));
+        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xC2B2AE35u));
+        return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    }
+
+    // q8_round_stochastic on 8 values at a time: the two map entries around each by gathers.
+    static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table,
+                                       const float* code, uint32_t key, uint32_t first) {
+        const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax));
+        const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const bool unsigned_map = code[0] == 0.0f;
+        for (int i = 0; i < len; i += W) {
+            const int cnt = len - i < W ? len - i : W;
+            uint8_t b[8];
+            const __m256i n = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)staged_in(codes + i, cnt, b)));
+            const __m256 y = _mm256_mul_ps(_mm256_load_ps(x + i), vscale);
+            const __m256 c = _mm256_i32gather_ps(code, n, 4);
+            const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(y, c, _CMP_GE_OQ));
+            const __m256i nb = _mm256_blendv_epi8(_mm256_max_epi32(_mm256_sub_epi32(n, one), zero),
+                                                  _mm256_min_epi32(_mm256_add_epi32(n, one), top), up);
+            const __m256 cn = _mm256_i32gather_ps(code, nb, 4);
+            const __m256i lo = _mm256_blendv_epi8(nb, n, up), hi = _mm256_blendv_epi8(n, nb, up);
+            const __m256 c_lo = _mm256_blendv_ps(cn, c, _mm256_castsi256_ps(up));
+            const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
+            const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
+            const __m256i r = mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
+            const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+            const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
+            __m256i idx = _mm256_blendv_epi8(lo, hi, _mm256_castps_si256(pick));
+            if (unsigned_map)  // the zero point
+                idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)), one));
+            idx = _mm256_blendv_epi8(idx, top, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+            store_bytes(codes + i, idx, cnt);
+        }
+    }
+
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
         const __m256i low16 = _mm256_set1_epi32(0xFFFF);
         __m256 y = _mm256_mul_ps(x.v, _mm256_set1_ps(scale));
@@ -129,13 +180,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         __m256i idx = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, low16)), 16);
         __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
         idx = _mm256_blendv_epi8(idx, _mm256_set1_epi32(255), nan);
-        // byte 0 of each int32 -> the low 4 bytes of each 128-bit lane -> bytes 0..7
-        const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                              0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-        __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(idx, pick), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-        uint8_t b[8];
-        _mm_storel_epi64((__m128i*)(cnt == W ? out : b), _mm256_castsi256_si128(bytes));
-        if (cnt != W) finish(out, b, cnt);
+        store_bytes(out, idx, cnt);
     }
 };
 

@@ -85,6 +85,12 @@ struct Avx512 {
     // code[c] * absmax for 64 codes (cnt of them read, the rest taken as code 0) into 4 vectors in
     // memory order.
     static void dequant64(__m512* out, const uint8_t* codes, int cnt, const Table& t, float absmax) {
+        const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+        values64(out, _mm512_maskz_loadu_epi8(live, codes), t, _mm512_set1_ps(absmax));
+    }
+
+    // code[c] * scale for the 64 codes of a register, into 4 vectors in memory order.
+    static void values64(__m512* out, __m512i codes, const Table& t, __m512 scale) {
         // After the byte->word->dword unpacks below, float q of 128-bit lane L holds input byte
         // 16L + 4q + i; this pre-permutation puts element 16q + 4L + i there, so that the four
         // result registers come out in memory order.
@@ -94,9 +100,7 @@ struct Avx512 {
             8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,
             12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
         const __m512i perm = _mm512_load_si512(order);
-        const __m512 scale = _mm512_set1_ps(absmax);
-        const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-        __m512i c = _mm512_permutexvar_epi8(perm, _mm512_maskz_loadu_epi8(live, codes));
+        __m512i c = _mm512_permutexvar_epi8(perm, codes);
         __mmask64 high = _mm512_movepi8_mask(c);
         __m512i b[4];
         for (int k = 0; k < 4; ++k)
@@ -183,11 +187,12 @@ struct Avx512 {
         const __m512i low_binade = _mm512_set1_epi32(kFastBinadeLow);
         const __m512 band = _mm512_set1_ps(kFastAmbiguous);
         __m512i k[4];
-        __mmask16 neg[4], amb[4];
+        __mmask16 neg[4], amb[4], pos[4];
         for (int q = 0; q < 4; ++q) {
             const __m512 yf = _mm512_mul_ps(_mm512_load_ps(x + 16 * q), vscale);
             const __m512i y = _mm512_castps_si512(yf);
             neg[q] = _mm512_movepi32_mask(y);
+            if (!kSigned) pos[q] = _mm512_cmpgt_epi32_mask(y, _mm512_setzero_si512());  // y > +0.0
             __m512i ab = _mm512_and_si512(y, abs_mask);
             if (kSigned) ab = _mm512_mask_add_epi32(ab, neg[q], ab, one);  // next float above |y|
             const __m512 a = _mm512_castsi512_ps(ab);
@@ -209,7 +214,11 @@ struct Avx512 {
             const __m512i zero_code = _mm512_set1_epi8(127);
             idx = _mm512_mask_blend_epi8(negative, _mm512_adds_epu8(zero_code, mag), _mm512_subs_epu8(zero_code, mag));
         } else {
+            // code 0 is for zeros only: a positive value takes at least code 1 (q8_quantize_fast)
+            const __mmask64 positive = (__mmask64)pos[0] | ((__mmask64)pos[1] << 16) | ((__mmask64)pos[2] << 32) |
+                                       ((__mmask64)pos[3] << 48);
             idx = _mm512_maskz_mov_epi8(~negative, mag);
+            idx = _mm512_mask_max_epu8(idx, positive, idx, _mm512_set1_epi8(1));
         }
         if (_kor_mask16(_kor_mask16(amb[0], amb[1]), _kor_mask16(amb[2], amb[3]))) {
             __m512i exact[4];
@@ -246,6 +255,62 @@ struct Avx512 {
         if (fast && fast->is_signed) return fast_block<true>(out, x, len, vscale, *fast, lookup);
         if (fast) return fast_block<false>(out, x, len, vscale, *fast, lookup);
         for (int i = 0; i < len; i += 64) _mm512_storeu_si512(out + i, lookup64(x + i, vscale, lookup));
+    }
+
+    static __m512i mix32(__m512i h) {  // q8_mix32 on 16 lanes
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
+        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+        h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
+        return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    }
+
+    static __mmask64 join(const __mmask16* m) {
+        return (__mmask64)m[0] | ((__mmask64)m[1] << 16) | ((__mmask64)m[2] << 32) | ((__mmask64)m[3] << 48);
+    }
+
+    // q8_round_stochastic on 64 values at a time; the map entries around them come from the byte planes
+    // of the dequantization table (no gathers).
+    static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, const Table& t,
+                                       const float* code, uint32_t key, uint32_t first) {
+        const __m512 vscale = _mm512_set1_ps(q8_block_scale(absmax)), one_f = _mm512_set1_ps(1.0f);
+        const __m512 unit = _mm512_set1_ps(5.9604644775390625e-08f);
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i vkey = _mm512_set1_epi32((int)key), ones8 = _mm512_set1_epi8(1);
+        const bool unsigned_map = code[0] == 0.0f;
+        for (int i = 0; i < len; i += 64) {
+            const int cnt = len - i;
+            const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+            const __m512i n = _mm512_maskz_loadu_epi8(live, codes + i);
+            __m512 y[4], c[4];
+            __mmask16 up[4];
+            values64(c, n, t, one_f);
+            for (int q = 0; q < 4; ++q) {
+                y[q] = _mm512_mul_ps(_mm512_load_ps(x + i + 16 * q), vscale);
+                up[q] = _mm512_cmp_ps_mask(y[q], c[q], _CMP_GE_OQ);
+            }
+            const __mmask64 up64 = join(up);
+            const __m512i nb = _mm512_mask_blend_epi8(up64, _mm512_subs_epu8(n, ones8), _mm512_adds_epu8(n, ones8));
+            __m512 cn[4];
+            values64(cn, nb, t, one_f);
+            __mmask16 pick[4], pos[4], nan[4];
+            for (int q = 0; q < 4; ++q) {
+                const __m512 c_lo = _mm512_mask_blend_ps(up[q], cn[q], c[q]);
+                const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
+                const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(first + (uint32_t)(i + 16 * q))), iota);
+                const __m512i r = mix32(_mm512_xor_si512(index, vkey));
+                const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), unit);
+                pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo)), _mm512_sub_ps(y[q], c_lo),
+                                             _CMP_LT_OQ);
+                pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
+                nan[q] = _mm512_cmp_ps_mask(y[q], y[q], _CMP_UNORD_Q);
+            }
+            const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
+            __m512i idx = _mm512_mask_blend_epi8(join(pick), lo, hi);
+            if (unsigned_map) idx = _mm512_mask_max_epu8(idx, join(pos), idx, ones8);  // the zero point
+            idx = _mm512_mask_mov_epi8(idx, join(nan), _mm512_set1_epi8((char)255));
+            _mm512_mask_storeu_epi8(codes + i, live, idx);
+        }
     }
 
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {

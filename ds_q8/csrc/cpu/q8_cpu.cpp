@@ -140,11 +140,14 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
     return a;
 }
 
-// Stochastic rounding of tensor t's parameter write (arguments checked by binding::check_rounding).
+// Stochastic rounding of tensor t: of its parameter write (`params`; with float32 states: whenever keys
+// are given) and of the 8-bit states flagged in `states` (arguments checked by binding::check_rounding
+// and binding::check_stochastic_choices).
 void set_rounding(StepArgs& a, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t t,
-                  size_t n) {
+                  size_t n, bool params = true, const std::vector<bool>& states = {}) {
     if (!binding::check_rounding(sr_keys, sr_index, n)) return;
-    a.stochastic = true;
+    a.stochastic = params;
+    for (size_t k = 0; k < states.size(); ++k) a.stochastic_states[k] = states[k];
     a.sr_key = (uint32_t)sr_keys[t];
     a.sr_index = sr_index[t];
 }
@@ -193,12 +196,15 @@ void run_step(const std::string& isa, const std::string& rule, const std::vector
 void step(const std::string& isa, const std::string& rule, torch::Tensor param, const torch::Tensor& grad,
           std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps,
           std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
-          const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
+          const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
+          const std::vector<bool>& stochastic_states) {
     check_isa(isa);
     check_block_size(block_size);
     const auto hp = hyper_params(hyper);
     std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(maps, lookups), block_size, hp)};
-    set_rounding(args[0], sr_keys, sr_index, 0, 1);
+    binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, 1), stochastic_states,
+                                      states.size());
+    set_rounding(args[0], sr_keys, sr_index, 0, 1, stochastic_params, stochastic_states);
     if (args[0].numel == 0) args.clear();
     run_step(isa, rule, args, param, grad);
 }
@@ -210,21 +216,34 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
                std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
-               const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index) {
+               const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
+               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums) {
     check_isa(isa);
     check_block_size(block_size);
     const size_t n = params.size();
+    TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == n, "error_sums must be empty or have one tensor per ",
+                      "param (", n, "), got ", error_sums.size());
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
     const auto hp = hyper_params(hyper);
     const StepMaps step_map = step_maps(maps, lookups);
+    binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, n), stochastic_states,
+                                      step_map.k);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], step_map, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
-        set_rounding(a, sr_keys, sr_index, t, n);
+        set_rounding(a, sr_keys, sr_index, t, n, stochastic_params, stochastic_states);
+        if (!error_sums.empty()) {
+            const torch::Tensor& e = error_sums[t];
+            check_cpu_contiguous(e, "error_sums");
+            TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == 2 * (int64_t)step_map.k,
+                              "error_sums must be float64 tensors of 2 values per state, got ", e.numel(), " of ",
+                              e.scalar_type());
+            a.error_sums = e.data_ptr<double>();
+        }
         if (a.numel > 0) args.push_back(a);
     }
     if (n == 0) return;
@@ -392,8 +411,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
-    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place");
-    m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place");
+    using pybind11::arg;
+    // with keys: stochastic parameter writes unless stochastic_params=False, and the flagged states
+    const auto params_sr = arg("stochastic_params") = true;
+    const auto states_sr = arg("stochastic_states") = std::vector<bool>{};
+    m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("isa"), arg("rule"), arg("param"),
+          arg("grad"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"),
+          arg("sr_keys"), arg("sr_index"), params_sr, states_sr);
+    m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place; "
+          "error_sums (one float64 tensor of 2 per state for each param, or none) accumulate the requantization "
+          "error and magnitude",
+          arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"),
+          arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), params_sr, states_sr,
+          arg("error_sums") = std::vector<torch::Tensor>{});
     m.def("step_fp32_many", &ds_q8::step_fp32_many,
           "the same fused step for tensors with float32 states (optim_bits=32), in place");
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");

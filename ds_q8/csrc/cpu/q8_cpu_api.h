@@ -35,8 +35,10 @@ struct StepArgs {
     int num_hyper;
     int num_threads;
     bool stochastic;           // 16-bit params: write them with stochastic rounding (q8_store_sr)
-    uint32_t sr_key;           // the hash key of this tensor's random bits
+    bool stochastic_states[2]; // requantize these 8-bit states stochastically (q8_round_stochastic)
+    uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
+    double* error_sums;        // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x|
 };
 
 struct QuantizeArgs {

@@ -31,6 +31,14 @@ struct PerVectorBlocks {
             Self::store_tmp(out + i, Self::dequant(codes + i, len - i < W ? len - i : W, code, absmax));
     }
 
+    // One value at a time (the scalar driver; the AVX2 one has its own).
+    static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table code,
+                                       const float*, uint32_t key, uint32_t first) {
+        const float scale = q8_block_scale(absmax);
+        for (int i = 0; i < len; ++i)
+            codes[i] = (uint8_t)q8_round_stochastic(x[i] * scale, codes[i], code, q8_sr_bits(key, first + (uint32_t)i));
+    }
+
     static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
                                const FastMap*) {
         constexpr int W = Self::W;

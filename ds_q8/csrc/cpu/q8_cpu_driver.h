@@ -20,8 +20,12 @@
 //   V absmax_init() / V absmax_step(V acc, V x, int cnt) / float absmax_reduce(V acc)
 //   void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
 //                       const FastMap* fast)      fast may be null
+//   void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, const Table&,
+//                               const float* code, uint32_t key, uint32_t first)
+//                                              turns the nearest codes of x into stochastically rounded ones
 #pragma once
 
+#include <math.h>
 #include <string.h>
 
 #include "q8_common.h"
@@ -94,6 +98,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
 #pragma omp parallel num_threads(args[0].num_threads)
     {
         alignas(64) float tmp[K][kMaxBlock];
+        alignas(64) float deq[kMaxBlock];  // telemetry only: the requantized values of a block
         typename I::Table table[K];
         for (int k = 0; k < K; ++k) table[k] = I::prepare(args[0].code[k]);
         int t = 0;
@@ -158,6 +163,21 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                 const float absmax = I::absmax_reduce(acc[k]);
                 a.absmax[k][b] = absmax;
                 I::quantize_block(a.codes[k] + start, tmp[k], len, absmax, a.lookup[k], a.fast[k]);
+                if (a.stochastic_states[k])
+                    I::round_block_stochastic(a.codes[k] + start, tmp[k], len, absmax, table[k], a.code[k],
+                                              q8_state_key(a.sr_key, k), (uint32_t)(a.sr_index + start));
+                if (a.error_sums) {  // quantization telemetry (optim/telemetry.py): off by default
+                    I::dequant_block(deq, a.codes[k] + start, len, table[k], absmax);
+                    double err = 0.0, mag = 0.0;
+                    for (int i = 0; i < len; ++i) {
+                        err += fabs((double)deq[i] - (double)tmp[k][i]);
+                        mag += fabs((double)tmp[k][i]);
+                    }
+#pragma omp atomic
+                    a.error_sums[2 * k] += err;
+#pragma omp atomic
+                    a.error_sums[2 * k + 1] += mag;
+                }
             }
         }
     }

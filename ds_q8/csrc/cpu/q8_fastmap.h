@@ -24,7 +24,9 @@
 // magnitude: index 127 + k for y >= 0, and for y < 0 the search runs on the next float above |y|,
 // which turns the reference's "ties go to the lower entry" into the same strict comparison as on
 // the positive side; 127 - k saturates at 0 where the positive side has an entry (1.0) that the
-// negative side lacks. Unsigned maps (code[0] == 0, no negative entries) send every y < 0 to 0.
+// negative side lacks. Unsigned maps (code[0] == 0, no negative entries) send every y < 0 to 0, and
+// keep code 0 for zeros (the zero-point rule of q8_build_lookup): the search places a value among the
+// map's own midpoints, and a positive value that lands on 0 moves up to 1.
 #pragma once
 
 #include <math.h>
@@ -89,7 +91,7 @@ Q8_HD uint32_t q8_quantize_fast(float y, const FastMap& m, const uint32_t* looku
     const float k = floorf(t2);  // t2 >= 0 on the proved range
     if (t2 - k < kFastAmbiguous) return q8_quantize_scaled(y, lookup);
     const uint32_t mag = (uint32_t)k;
-    if (!m.is_signed) return negative ? 0u : mag;
+    if (!m.is_signed) return negative ? 0u : (mag == 0u && a != 0u ? 1u : mag);  // zero-point rule
     if (negative) return mag >= 127u ? 0u : 127u - mag;
     return mag >= 128u ? 255u : 127u + mag;
 }

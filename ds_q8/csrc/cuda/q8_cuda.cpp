@@ -95,17 +95,37 @@ StepBatch list_batch(const std::string& rule, std::vector<torch::Tensor>&& param
     TORCH_CHECK_VALUE(b.grads.size() == n && states == n, what, ": params, grads and states must be lists of the "
                       "same length, got ", n, ", ", b.grads.size(), " and ", states);
     for (size_t t = 0; t < n; ++t) binding::check_same_dtypes(b.params, b.grads, t, what);
-    b.stochastic = binding::check_rounding(b.sr_keys, b.sr_index, n);
+    b.has_keys = binding::check_rounding(b.sr_keys, b.sr_index, n);
+    b.stochastic = b.has_keys;
     return b;
+}
+
+// The rounding choices of an 8-bit step (binding::check_stochastic_choices) into the batch.
+void set_choices(StepBatch& b, bool stochastic_params, const std::vector<bool>& stochastic_states, size_t k) {
+    binding::check_stochastic_choices(b.has_keys, stochastic_states, k);
+    b.stochastic = b.has_keys && stochastic_params;
+    for (size_t i = 0; i < stochastic_states.size(); ++i) b.stochastic_states[i] = stochastic_states[i];
 }
 
 void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                std::vector<std::vector<torch::Tensor>> states, std::vector<std::vector<torch::Tensor>> absmax,
                std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups, int64_t block_size,
                const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-               const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip) {
+               const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip,
+               bool stochastic_params, const std::vector<bool>& stochastic_states,
+               const std::vector<torch::Tensor>& error_sums) {
     check_block_size(block_size);
     StepBatch b = list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_many");
+    set_choices(b, stochastic_params, stochastic_states, maps.size());
+    TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == b.params.size(), "error_sums must be empty or have "
+                      "one tensor per param (", b.params.size(), "), got ", error_sums.size());
+    for (const auto& e : error_sums) {
+        if (!b.params.empty()) check_cuda(e, "error_sums", b.params[0].device());
+        TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == 2 * (int64_t)maps.size(),
+                          "error_sums must be float64 tensors of 2 values per state, got ", e.numel(), " of ",
+                          e.scalar_type());
+    }
+    b.error_sums = error_sums;
     TORCH_CHECK_VALUE(absmax.size() == b.params.size(), "step_many: absmax must have one list per tensor (",
                       b.params.size(), "), got ", absmax.size());
     for (size_t t = 0; t < b.params.size(); ++t)
@@ -123,8 +143,10 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
           std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups,
           int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-          const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip) {
-    step_many(rule, {param}, {grad}, {states}, {absmax}, maps, lookups, block_size, hyper, sr_keys, sr_index, skip);
+          const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip, bool stochastic_params,
+          const std::vector<bool>& stochastic_states) {
+    step_many(rule, {param}, {grad}, {states}, {absmax}, maps, lookups, block_size, hyper, sr_keys, sr_index, skip,
+              stochastic_params, stochastic_states, {});
 }
 
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): states[t] are
@@ -188,14 +210,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     using pybind11::arg;
     const auto skip = arg("skip") = pybind11::none();
+    // with keys: stochastic parameter writes unless stochastic_params=False, and the flagged states
+    const auto params_sr = arg("stochastic_params") = true;
+    const auto states_sr = arg("stochastic_states") = std::vector<bool>{};
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("rule"), arg("param"), arg("grad"),
           arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
-          arg("sr_index"), skip);
+          arg("sr_index"), skip, params_sr, states_sr);
     m.def("step_many", &ds_q8::step_many,
           "fused 8-bit step of many tensors, in place: one launch per 36 tensors; nothing is written when "
           "skip (one int32 on the device) is non-zero",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"),
-          arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip);
+          arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr, states_sr,
+          arg("error_sums") = std::vector<torch::Tensor>{});
     m.def("step_fp32_many", &ds_q8::step_fp32_many,
           "the same fused step for tensors with float32 states (optim_bits=32 or small tensors), in place",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),

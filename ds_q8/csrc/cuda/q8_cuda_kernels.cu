@@ -211,6 +211,7 @@ struct StepSlot {
     int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
     uint32_t sr_key;
     int32_t align_param, align_grad, align_state;  // byte alignments, capped at 16 (load_words)
+    double* error_sums;    // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x| (telemetry)
 };
 
 struct StepList {
@@ -218,7 +219,8 @@ struct StepList {
     const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors
     const int32_t* skip;                    // null, or a device flag: non-zero means write nothing
     int32_t block_size, threads_per_qblock, count;
-    bool stochastic;
+    bool stochastic;                        // 16-bit parameter writes rounded stochastically
+    bool stochastic_states[Q8_MAX_STATES];  // 8-bit states requantized stochastically
     int32_t first_cta[kListTensors + 1];
     StepSlot slot[kListTensors];
 };
@@ -319,7 +321,25 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
         uint32_t idx[kElems];
 #pragma unroll
         for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], list.lookup[k]);
+        if (list.stochastic_states[k]) {
+            const uint32_t key = q8_state_key(a.sr_key, k);
+#pragma unroll
+            for (int i = 0; i < kElems; ++i)
+                idx[i] = q8_round_stochastic(s[k][i] * scale, idx[i], s_code[k],
+                                             q8_sr_bits(key, (uint32_t)(a.sr_index + start + i)));
+        }
         store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
+        if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on
+            double err = 0.0, mag = 0.0;
+#pragma unroll
+            for (int i = 0; i < kElems; ++i)
+                if (i < cnt) {
+                    err += fabs((double)(s_code[k][idx[i]] * absmax) - (double)s[k][i]);
+                    mag += fabs((double)s[k][i]);
+                }
+            atomicAdd(a.error_sums + 2 * k, err);
+            atomicAdd(a.error_sums + 2 * k + 1, mag);
+        }
     }
 }
 
@@ -443,10 +463,11 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
                 s.align_state = min_alignment(s.align_state, alignment(s.state[k]));
                 if (!b.absmax.empty()) s.absmax[k] = b.absmax[t][k].data_ptr<float>();
             }
-            if (b.stochastic) {
+            if (b.has_keys) {
                 s.sr_key = (uint32_t)b.sr_keys[t];
                 s.sr_index = b.sr_index[t];
             }
+            if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
             list.first_cta[list.count++] = (int32_t)ctas;
             ctas += c;
         }
@@ -463,6 +484,7 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     StepList list{};
     list.skip = b.skip;
     list.stochastic = b.stochastic;
+    for (int k = 0; k < Q8_MAX_STATES; ++k) list.stochastic_states[k] = b.stochastic_states[k];
     if (b.fp32_states) {
         const int64_t per_cta = (int64_t)kFp32Threads * kElems;
         launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kFp32Threads,

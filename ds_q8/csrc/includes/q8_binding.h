@@ -82,6 +82,17 @@ inline bool check_rounding(const std::vector<int64_t>& sr_keys, const std::vecto
     return true;
 }
 
+// Which of an 8-bit step's k states are requantized stochastically: empty (none) or one flag per state.
+// They need the random bits' keys (`has_keys`, from check_rounding); so do stochastic parameter writes,
+// which are off without keys whatever the flag says.
+inline void check_stochastic_choices(bool has_keys, const std::vector<bool>& states, size_t k) {
+    TORCH_CHECK_VALUE(states.empty() || states.size() == k, "stochastic_states must be empty or have one flag per "
+                      "state (", k, "), got ", states.size());
+    bool any = false;
+    for (bool s : states) any = any || s;
+    TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");
+}
+
 // The limits shared with Python (see q8_common.h).
 inline std::map<std::string, int64_t> limits() {
     return {{"min_block_size", Q8_MIN_BLOCK}, {"max_block_size", Q8_MAX_BLOCK}, {"max_states", Q8_MAX_STATES}};

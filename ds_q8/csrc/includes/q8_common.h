@@ -170,6 +170,23 @@ Q8_HD uint16_t q8_half_from_float_sr(float f, uint32_t r) {
     return (uint16_t)(((u >> 16) & 0x8000u) | h);
 }
 
+// The key of the random bits that requantize state k of a tensor whose key is `key` (rounding.state_key).
+Q8_HD uint32_t q8_state_key(uint32_t key, int k) { return q8_mix32(key ^ (0x9E3779B9u * (uint32_t)(k + 1))); }
+
+// Stochastic requantization of a scaled value y whose nearest code is `nearest` (ds_q8/functional.py
+// quantize_scaled): the entry below or above y, the upper one with probability equal to how far y lies
+// toward it, so that the state is right on average; the zero point of unsigned maps; NaN to 255.
+Q8_HD uint32_t q8_round_stochastic(float y, uint32_t nearest, const float* code, uint32_t r) {
+    if (y != y) return 255u;
+    const bool up = y >= code[nearest];
+    const uint32_t nb = up ? (nearest < 255u ? nearest + 1u : 255u) : (nearest > 0u ? nearest - 1u : 0u);
+    const uint32_t lo = up ? nearest : nb, hi = up ? nb : nearest;
+    const float u = (float)(r >> 8) * 5.9604644775390625e-08f;  // 24 bits times 2^-24, exact
+    uint32_t idx = u * (code[hi] - code[lo]) < y - code[lo] ? hi : lo;
+    if (code[0] == 0.0f && idx == 0u && y > 0.0f) idx = 1u;
+    return idx;
+}
+
 Q8_HD void q8_store_sr(float* p, float v, uint32_t) { *p = v; }
 Q8_HD void q8_store_sr(q8_half* p, float v, uint32_t r) { p->x = q8_half_from_float_sr(v, r); }
 Q8_HD void q8_store_sr(q8_bf16* p, float v, uint32_t r) { p->x = q8_bf16_from_float_sr(v, r); }
@@ -193,6 +210,12 @@ Q8_HD void q8_store(q8_bf16* p, float v) { p->x = q8_bf16_from_float(v); }
 // low16(key) > thr. Buckets at or beyond +-2 are clamped into two end buckets (scaled values never exceed 1
 // by more than one rounding, except infinities). For the dynamic and linear maps every bucket
 // holds at most one midpoint; q8_build_lookup refuses maps where that fails.
+//
+// The zero-point rule (ds_q8/functional.py midpoints): in a map whose smallest entry is 0 (the unsigned
+// maps of second moments, which are never negative) code 0 is kept for zeros. The boundary between
+// entries 0 and 1 is 0 itself instead of their midpoint, so a positive value takes at least code 1:
+// a second moment stored as 0 would wipe its history and let the element step several times too far.
+// The boundary at +0.0 is one more threshold (0) in the bucket of +0.0 and the smallest denormals.
 
 Q8_HD uint32_t q8_key(float y) {
     uint32_t u = q8_bits(y);
@@ -244,6 +267,7 @@ Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
     float mid[255];
     for (int i = 0; i < 255; ++i) {
         mid[i] = (code[i] + code[i + 1]) * 0.5f;
+        if (i == 0 && code[0] == 0.0f) mid[0] = 0.0f;  // the zero-point rule
         if (!(mid[i] > -2.0f && mid[i] < 2.0f)) return false;
         if (i > 0 && mid[i] < mid[i - 1]) return false;
     }

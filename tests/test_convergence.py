@@ -1,0 +1,49 @@
+"""launch/convergence.py, the convergence study: a tiny run prints its table, the simulated 8-bit AdamW
+with no change is ds_q8's nearest-rounded format, and bad arguments name the field."""
+import json
+import sys
+
+import pytest
+import torch
+
+from train_helpers import LAUNCH, run  # noqa: F401  (puts launch/ on sys.path)
+import convergence  # noqa: E402
+
+
+@pytest.mark.slow
+def test_a_small_study_prints_every_row(tmp_path):
+    out = run([sys.executable, LAUNCH / "convergence.py", "--steps", "4", "--lrs", "4e-3", "--seeds", "0", "1",
+               "--optimizers", "ds_q8", "ds_q8:nearest+bs256", "sim:nozp+m32", "--workers", "1", "--out", tmp_path],
+              timeout=600).stdout
+    for name in ("| torch | 0.004 |", "| ds_q8 | 0.004 |", "| ds_q8:nearest+bs256 | 0.004 |", "| sim:nozp+m32 |"):
+        assert name in out, out[-2000:]
+    result = json.loads((tmp_path / "convergence.json").read_text())
+    assert len(result["runs"]) == 8 and all(r["final_loss"] > 0 for r in result["runs"])
+    assert (tmp_path / "convergence.md").read_text().count("\n|") == 6  # head, rule, 4 rows
+
+
+def test_sim_is_the_nearest_rounded_format():
+    """SimAdamW8bit without changes quantizes like ds_q8 with state_rounding="nearest" (the codes of
+    one step from zero state agree)."""
+    import ds_q8
+    torch.manual_seed(0)
+    p0, g = torch.randn(5000), torch.randn(5000)
+    a, b = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    sim = convergence.SimAdamW8bit([a], lr=1e-3)
+    real = ds_q8.AdamW8bitBlock([b], lr=1e-3, state_rounding="nearest", impl="reference")
+    a.grad, b.grad = g.clone(), g.clone()
+    sim.step()
+    real.step()
+    assert torch.equal(sim.state[a]["v"][0], real.state[b]["state2"])
+    assert torch.equal(sim.state[a]["m"][0], real.state[b]["state1"])
+
+
+@pytest.mark.parametrize("argv,field", [(["--optimizers", "adam9"], "unknown optimizer"),
+                                        (["--optimizers", "ds_q8:m32"], "unknown change"),
+                                        (["--optimizers", "sim:bs100"], "block size"),
+                                        (["--steps", "0"], "--steps"), (["--lrs", "-1"], "--lrs"),
+                                        (["--workers", "0"], "--workers"), (["--batch", "0"], "--batch")])
+def test_bad_arguments_name_the_field(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        convergence.main(argv)
+    assert field in capsys.readouterr().err

@@ -1,0 +1,133 @@
+"""Stochastic requantization of the unsigned states (second moments, Adagrad's sum): right on average,
+the same bits in every kernel as in the reference, nearest rounding on request, and parameter writes
+untouched by it.
+
+Rounded to nearest, an exponential average that moves by less than half a code per step loses the
+move: Adam's second moment (beta2 = 0.999, 0.1% per step) then lags its fp32 value, and the steps grow.
+"""
+import math
+
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8.optim import rounding
+
+from test_kernels import ISAS, assert_same_run, isa, run_both  # noqa: F401  (isa: a fixture)
+from optimizer_cases import kernel_cases
+
+RULES = kernel_cases()
+
+
+def _bits(key: int, n: int) -> torch.Tensor:
+    return rounding.random_bits(key, torch.arange(n))
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_stochastic_quantization_is_right_on_average(signed):
+    code = F.create_dynamic_map(signed)
+    g = torch.Generator().manual_seed(3)
+    y = torch.rand(512, generator=g) ** 3  # every decade of the map, values between entries
+    if signed:
+        y = y * torch.where(torch.rand(512, generator=g) < 0.5, -1.0, 1.0)
+    y[0] = 1.0  # a block maximum
+    if not signed:  # below the smallest positive entry the zero point rounds up (its own test)
+        y = torch.where(y < float(code[1]), torch.full_like(y, float(code[1])), y)
+    draws = 2000
+    total = torch.zeros(y.numel(), dtype=torch.float64)
+    for d in range(draws):
+        total += code[F.quantize_scaled(y, code, _bits(d * 7919 + 1, y.numel())).long()].double()
+    mean = total / draws
+    idx = F.quantize_scaled(y, code)
+    gap = (code[(idx.long() + 1).clamp(max=255)] - code[(idx.long() - 1).clamp(min=0)]).double()
+    err = (mean - y.double()).abs()
+    # one of the two entries around y at each draw: the mean's standard error is at most gap / (2 sqrt(n))
+    assert bool((err <= 4.0 * gap / (2 * math.sqrt(draws)) + 1e-12).all()), float((err / gap).max())
+    nearest_err = (code[idx.long()].double() - y.double()).abs()
+    assert float(err.mean()) < float(nearest_err.mean()) / 5
+
+
+def test_stochastic_quantization_keeps_entries_zeros_and_the_zero_point():
+    for signed in (False, True):
+        code = F.create_dynamic_map(signed)
+        on_entries = code.clone()
+        assert torch.equal(F.quantize_scaled(on_entries, code, _bits(5, 256)).long(), torch.arange(256))
+    code = F.create_dynamic_map(False)
+    y = torch.cat([torch.tensor([0.0, -0.0]), torch.logspace(-40, -6.6, 200)])
+    for key in range(50):
+        q = F.quantize_scaled(y, code, _bits(key, y.numel()))
+        assert q[:2].tolist() == [0, 0] and bool((q[2:] >= 1).all())
+    assert int(F.quantize_scaled(torch.tensor([float("nan")]), code, _bits(1, 1))) == 255
+
+
+def test_second_moment_tracks_its_fp32_value_only_when_rounded_stochastically():
+    """A slowly growing gradient scale in a block whose maximum stays put: v's increments are below
+    half a code per step. To nearest they are lost; stochastically v follows its fp32 value."""
+    n, bs, steps = 2048, 2048, 300
+    code = F.create_dynamic_map(False)
+    beta2 = 0.999
+    g_scale = torch.linspace(0.05, 0.3, n)
+    g_scale[0] = 1.0
+    v32 = torch.zeros(n)
+    stored = {"nearest": torch.zeros(n), "stochastic": torch.zeros(n)}
+    for t in range(steps):
+        g2 = (g_scale * (1 + t / steps)) ** 2
+        g2[0] = 1.0  # the block maximum holds still while the others grow
+        v32 = beta2 * v32 + (1 - beta2) * g2
+        for kind in stored:
+            v = beta2 * stored[kind] + (1 - beta2) * g2
+            am = F.block_absmax(v, bs)
+            bits = _bits(rounding.step_key(0, t + 1), n) if kind == "stochastic" else None
+            stored[kind] = F.dequantize_flat(F.quantize_with_absmax(v, am, code, bs, bits), am, code, bs)
+    ratio = {kind: float((v / v32)[1:].mean()) for kind, v in stored.items()}
+    assert abs(ratio["stochastic"] - 1.0) < 0.02, ratio
+    assert abs(ratio["nearest"] - 1.0) > 0.1, ratio  # the bias the stochastic rounding removes
+
+
+def test_only_unsigned_states_are_rounded_stochastically_and_nearest_is_an_option():
+    p = torch.nn.Parameter(torch.zeros(8))
+    for cls, kw in ((ds_q8.AdamW8bitBlock, {}), (ds_q8.RMSprop8bitBlock, dict(momentum=0.9)),
+                    (ds_q8.Momentum8bitBlock, dict(momentum=0.9)), (ds_q8.Lion8bitBlock, {})):
+        opt = cls([p], **kw)
+        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in opt.state_signed)
+        opt = cls([p], state_rounding="nearest", **kw)
+        assert not any(opt.stochastic_states(opt.param_groups[0]))
+    with pytest.raises(ValueError, match="state_rounding must be one of"):
+        ds_q8.AdamW8bitBlock([p], state_rounding="up")
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("rule", ["adamw", "rmsprop", "adagrad", "lamb"])
+@pytest.mark.parametrize("n,block_size", [(3 * 256 + 7, 256), (2 * 64, 64), (5000, 2048)])
+def test_stochastic_state_rounding_kernels_match_the_reference(isa, rule, n, block_size):
+    cls, kw = RULES[rule]
+    kernel, reference = run_both(cls, kw, n, torch.float32, steps=4, block_size=block_size)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nearest_state_rounding_kernels_match_the_reference(isa, dtype):
+    kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(state_rounding="nearest"), 3 * 256 + 7, dtype, steps=4,
+                                 block_size=256)
+    assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_state_rounding_draws_no_parameter_rounding(impl):
+    """bf16 parameters with stochastic_rounding=False are written to nearest, also when the states draw
+    random bits: after one step (whose update reads no stored state yet) they do not depend on it."""
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(4096, generator=g).to(torch.bfloat16)
+    grad = torch.randn(4096, generator=g).to(torch.bfloat16)
+    out = {}
+    for rounding_kind in ("stochastic", "nearest"):
+        p = torch.nn.Parameter(p0.clone())
+        opt = ds_q8.AdamW8bitBlock([p], lr=1e-2, stochastic_rounding=False, state_rounding=rounding_kind,
+                                   block_size=256, impl=impl)
+        p.grad = grad.clone()
+        opt.step()
+        out[rounding_kind] = (p.detach().clone(), opt.state[p]["state2"].clone())
+    assert torch.equal(out["stochastic"][0], out["nearest"][0])
+    assert not torch.equal(out["stochastic"][1], out["nearest"][1])  # the states did round differently

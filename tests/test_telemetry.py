@@ -1,0 +1,99 @@
+"""Quantization telemetry (ds_q8/optim/telemetry.py): off by default, the same numbers from the kernels
+as from the reference and under any ZeRO partitioning, and it sees what it is for."""
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import ops
+
+from test_kernels import ISAS, isa  # noqa: F401  (isa: a fixture)
+from test_layout import KW, SIZES, grads_for, run_plain, run_sharded
+
+
+def _trained(impl, steps=4, every=2):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(300, 40)),
+              torch.nn.Parameter(torch.randn(10))]  # the last one keeps fp32 state
+    opt = ds_q8.AdamW8bitBlock(params, lr=1e-2, impl=impl, block_size=256)
+    if every:
+        opt.track_quantization(every)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g) * torch.logspace(-4, 0, p.numel()).view(p.shape)
+        opt.step()
+    return opt
+
+
+def test_off_by_default_it_keeps_nothing_and_reports_only_what_the_codes_hold():
+    opt = _trained("auto", every=0)
+    assert opt._telemetry is None
+    r = opt.quantization_report()
+    assert r["measured_step"] is None and len(r["params"]) == 2  # the fp32-state tensor has no codes
+    for state in ("exp_avg", "exp_avg_sq"):
+        assert r["states"][state]["rel_error"] is None
+        assert 0.0 <= r["states"][state]["at_zero"] < 0.05 and 0.0 < r["states"][state]["at_extreme"] < 0.05
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_kernels_measure_what_the_reference_measures(isa):
+    calls = sum(n for (k, name), n in ops.CALLS.items() if name == "step_many")
+    kernel, reference = _trained("kernel"), _trained("reference")
+    assert sum(n for (k, name), n in ops.CALLS.items() if name == "step_many") > calls
+    a, b = kernel.quantization_report(), reference.quantization_report()
+    assert a["measured_step"] == b["measured_step"] == 4
+    for state in ("exp_avg", "exp_avg_sq"):
+        assert a["states"][state]["at_zero"] == b["states"][state]["at_zero"]
+        assert a["states"][state]["rel_error"] == pytest.approx(b["states"][state]["rel_error"], rel=1e-9)
+        assert 1e-4 < a["states"][state]["rel_error"] < 0.05
+    for pa, pb in zip(a["params"], b["params"]):
+        assert pa["param"] == pb["param"]
+        assert pa["exp_avg_sq"]["rel_error"] == pytest.approx(pb["exp_avg_sq"]["rel_error"], rel=1e-9)
+
+
+def test_every_n_steps_only_and_it_can_be_stopped():
+    opt = _trained("auto", steps=5, every=2)
+    assert opt.quantization_report()["measured_step"] == 4
+    opt.track_quantization(None)
+    assert opt.quantization_report()["states"]["exp_avg"]["rel_error"] is None
+    with pytest.raises(ValueError, match="every must be an integer >= 1"):
+        opt.track_quantization(-1)
+
+
+def test_a_second_moment_at_code_zero_shows():
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = ds_q8.AdamW8bitBlock([p], lr=1e-3)
+    g = torch.randn(4096)
+    g[2048:] = 0.0  # half the elements never see a gradient: their second moment is exactly zero
+    p.grad = g
+    opt.step()
+    assert opt.quantization_report()["states"]["exp_avg_sq"]["at_zero"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("world,stage", [(3, 2), (2, 3)])
+def test_zero_partitions_add_up_to_the_whole_parameters(world, stage):
+    """Each rank measures its slices, blocks cut by partition edges included: per parameter the ranks'
+    sums are the unsharded optimizer's."""
+    kw = dict(KW, lr=1e-2)
+    cls = ds_q8.Adam8bitBlock
+    params, plain = run_plain(cls, SIZES, 0, kw)
+    plain.track_quantization(1)
+    for s in range(3):
+        for p, g in zip(params, grads_for(s, SIZES)):
+            p.grad = g.clone()
+        plain.step()
+    _, _, opts, flats, _ = run_sharded(cls, SIZES, world, stage, 3, kw, setup=lambda o: o.track_quantization(1))
+    want = {}
+    for p in params:
+        if p in plain._telemetry.sums:
+            layout = plain.layout_of(p)
+            want[layout.segments[0].param_index] = plain._telemetry.sums[p][0]
+    got = {}
+    for opt, flat in zip(opts, flats):
+        sums = opt._telemetry.sums[flat]
+        for si, seg in enumerate(opt.layout_of(flat).segments):
+            if seg.eight_bit:
+                got[seg.param_index] = got.get(seg.param_index, 0) + sums[si]
+    assert want.keys() == got.keys() and len(want) >= 4
+    for i in want:
+        assert torch.allclose(got[i], want[i], rtol=1e-9, atol=0), i
