@@ -47,9 +47,9 @@ def test_32bit_state_tracks_torch_tightly(name):
 # distance torch travelled, and the same for the largest element. The quantization error of the
 # 8-bit state accumulates open-loop here (the gradient follows the torch run), so these are the
 # worst case for a step-by-step comparison; the limits leave ~25% headroom over the measurement.
-TRAJECTORY_LIMITS = {  # name: (norm ratio, max-element ratio); measured adam .067/.15, adamw .061/.11,
-    "adam": (0.085, 0.19),  # momentum .029/.050, nesterov .025/.043, dampening .0075/.014
-    "adamw": (0.08, 0.14),
+TRAJECTORY_LIMITS = {  # name: (norm ratio, max-element ratio); measured adam .033/.146, adamw .025/.077
+    "adam": (0.042, 0.185),  # (.067/.15 and .061/.11 with second moments rounded to nearest),
+    "adamw": (0.031, 0.097),  # momentum .029/.050, nesterov .025/.043, dampening .0075/.014
     "momentum": (0.037, 0.065),
     "nesterov": (0.033, 0.057),
     "dampening": (0.01, 0.018),
@@ -75,10 +75,11 @@ def test_dequantized_state_matches_torch_state(name):
     for key, value in ours.items():
         ref = theirs[key]
         assert value.dtype == torch.float32 and value.shape == ref.shape
-        # measured after 50 steps: exp_avg ~2.6%, exp_avg_sq ~9% (small second moments sit where the
-        # unsigned map is coarse, and updates below half a code step round back), momentum ~2%
+        # measured after 50 steps: exp_avg 2.9%, exp_avg_sq 4.6% (9% rounded to nearest: small second
+        # moments sit where the unsigned map is coarse, and moves below half a code step were lost),
+        # momentum 2.9%
         rel = float((value - ref).norm() / ref.norm())
-        assert rel < {"exp_avg_sq": 0.12}.get(key, 0.04), (key, rel)
+        assert rel < {"exp_avg_sq": 0.06}.get(key, 0.04), (key, rel)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,442 @@
+"""Convergence study: 8-bit AdamW against 32-bit, from a comfortable learning rate to the edge of stability.
+
+GPT-2 tiny (2 layers, d=128, 4 heads, byte vocabulary, context 64) is trained on the source of Python's
+standard library (launch/gpt_data.py: 90% of each file for training, the rest for validation) with each
+optimizer at each peak learning rate and seed: the same initial weights, batches and schedule (linear
+warmup, cosine decay to a tenth) for every optimizer of a seed. Prints, per optimizer and learning
+rate, the mean and the range of the final validation loss over the seeds, the mean against 32-bit, how
+many seeds ended worse than 32-bit's worst seed, and the wall time of a run; writes every run to
+``--out``/convergence.json and the table to convergence.md.
+
+    python launch/convergence.py                      # lr 1e-3, 4e-3, 1.6e-2 x seeds 0-5 x torch, ds_q8, bnb
+    python launch/convergence.py --lrs 4e-3 --seeds 0 1 2 3 --optimizers torch ds_q8 sim sim:m32 sim:sr
+    python launch/convergence.py --drift --lrs 4e-3    # how the states' rounding drifts, on torch's trajectory
+
+Optimizers:
+  torch        torch.optim.AdamW, 32-bit state
+  ds_q8[:K+K]  ds_q8.AdamW8bitBlock (block 2048, tensors under 4096 elements keep 32-bit state), with
+               changes K:  nearest  state_rounding="nearest" (second moments rounded to nearest)
+                           bsN      block_size=N (64-4096)
+                           emb32    32-bit state for the token and position embeddings
+  bnb          bitsandbytes' AdamW8bit, when bitsandbytes is installed (block 256)
+  sim[:K+K]    AdamW whose states go through ds_q8.functional's block-wise quantization in plain
+               PyTorch (slower), for changes the optimizer has no option for; sim alone rounds both
+               states to nearest with ds_q8's zero point (= ds_q8:nearest):
+                           nozp     no zero point: small second moments can become 0
+                           m32      first moment in 32 bits       v32   second moment in 32 bits
+                           neg1     a signed map whose most negative entry is -1.0, not -0.99297
+                           sr       stochastic requantization of both states (srm: the first moment
+                                    only, srv: the second moment only, as ds_q8 does)
+                           bsN, emb32  as for ds_q8
+All runs use AdamW's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01), one intra-op thread.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_data  # noqa: E402
+import gpt_models  # noqa: E402
+from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmup, cosine to a tenth)
+
+VOCAB = gpt_data.BYTE_VOCAB_SIZE
+SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
+DS_Q8_CHANGES = ("nearest", "emb32")  # and bsN
+
+
+@dataclasses.dataclass
+class Config:
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    context: int = 64
+    batch: int = 16
+    steps: int = 300
+    warmup: int = 30
+    eval_windows: int = 256
+    lrs: tuple = (1e-3, 4e-3, 1.6e-2)
+    seeds: tuple = (0, 1, 2, 3, 4, 5)
+    optimizers: tuple = ("torch", "ds_q8", "bnb")
+
+
+def bnb_available() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # ImportError, or a broken native library
+        return False
+    return True
+
+
+def split_name(name: str):
+    """``"ds_q8:bs256+emb32"`` -> ``("ds_q8", ("bs256", "emb32"))``."""
+    base, _, changes = name.partition(":")
+    return base, tuple(changes.split("+")) if changes else ()
+
+
+def check_optimizer_name(name: str) -> None:
+    base, changes = split_name(name)
+    valid = {"torch": (), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
+    if base not in valid:
+        raise ValueError(f"--optimizers: unknown optimizer {name!r}; valid: torch, bnb, ds_q8[:changes], sim[:changes]")
+    for change in changes:
+        if change in valid[base]:
+            continue
+        if base in ("ds_q8", "sim") and change.startswith("bs") and change[2:].isdigit():
+            from ds_q8 import functional as F
+            F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
+            continue
+        raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
+                         f"{', '.join(valid[base] + (('bsN',) if valid[base] else ())) or 'none'}")
+
+
+def block_size_of(changes, default: int) -> int:
+    return next((int(c[2:]) for c in changes if c.startswith("bs")), default)
+
+
+# ---------------------------------------------------------------- the simulated 8-bit AdamW
+class SimAdamW8bit(torch.optim.Optimizer):
+    """AdamW with each state stored block-wise in 8 bits through ds_q8.functional, changes switchable.
+
+    With no change it keeps ds_q8's format (dynamic maps, block 2048, 32-bit state below 4096 elements,
+    nearest rounding with the zero point); it is slower than ds_q8 but lets one thing change at a time.
+    """
+
+    def __init__(self, params, lr, changes=(), seed=0, fp32_params=(), betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=1e-2, min_8bit_size=4096):
+        from ds_q8 import functional as F
+
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.F = F
+        self.changes = set(changes)
+        self.block = block_size_of(changes, F.DEFAULT_BLOCK_SIZE)
+        self.min_8bit_size = min_8bit_size
+        self.fp32_ids = {id(p) for p in fp32_params}
+        signed = F.create_dynamic_map(True)
+        if "neg1" in self.changes:
+            signed[0] = -1.0
+        self.maps = (signed, F.create_dynamic_map(False))
+        self.gen = torch.Generator().manual_seed(1_000 + seed)
+
+    def _quantize(self, x: torch.Tensor, code: torch.Tensor):
+        F, bs = self.F, self.block
+        absmax = F.block_absmax(x, bs)
+        scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+        y = (torch.nn.functional.pad(x, (0, absmax.numel() * bs - x.numel())).view(-1, bs)
+             * scale[:, None]).reshape(-1)[:x.numel()]
+        unsigned = float(code[0]) == 0.0
+        if "sr" in self.changes or ("srv" if unsigned else "srm") in self.changes:
+            # the entry above with probability of the distance from the one below
+            hi = torch.searchsorted(code, y).clamp(1, 255)
+            lo = hi - 1
+            frac = ((y - code[lo]) / (code[hi] - code[lo])).clamp(0, 1)
+            idx = torch.where(torch.rand(y.shape, generator=self.gen) < frac, hi, lo)
+            if unsigned and "nozp" not in self.changes:
+                idx = torch.where((y > 0) & (idx == 0), torch.ones_like(idx), idx)
+        else:
+            mid = F.midpoints(code) if "nozp" not in self.changes else (code[:-1] + code[1:]) * 0.5
+            idx = torch.searchsorted(mid, y)
+        return idx.to(torch.uint8), absmax
+
+    def _dequantize(self, stored, code):
+        codes, absmax = stored
+        return self.F.dequantize_flat(codes, absmax, code, self.block)
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                eight = p.numel() >= self.min_8bit_size and id(p) not in self.fp32_ids
+                bits = (8 if eight and "m32" not in self.changes else 32, 8 if eight and "v32" not in self.changes else 32)
+                if not st:
+                    st["step"] = 0
+                    st["m"], st["v"] = [torch.zeros(p.numel()) if b == 32 else self._quantize(torch.zeros(p.numel()), c)
+                                        for b, c in zip(bits, self.maps)]
+                st["step"] += 1
+                t = st["step"]
+                m, v = [s if b == 32 else self._dequantize(s, c) for s, b, c in zip((st["m"], st["v"]), bits, self.maps)]
+                g = p.grad.reshape(-1)
+                pf = p.view(-1)
+                pf.mul_(1.0 - lr * wd)
+                m.mul_(beta1).add_(g, alpha=1.0 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+                denom = (v.sqrt() / math.sqrt(1.0 - beta2 ** t)).add_(eps)
+                pf.addcdiv_(m, denom, value=-lr / (1.0 - beta1 ** t))
+                st["m"], st["v"] = [s if b == 32 else self._quantize(s, c) for s, b, c in zip((m, v), bits, self.maps)]
+
+
+def make_optimizer(name: str, model, lr: float, seed: int):
+    params = list(model.parameters())
+    embeddings = [model.transformer.wte.weight, model.transformer.wpe.weight]
+    base, changes = split_name(name)
+    if base == "torch":
+        return torch.optim.AdamW(params, lr=lr, foreach=False)
+    if base == "bnb":
+        import bitsandbytes as bnb
+        return bnb.optim.AdamW8bit(params, lr=lr)
+    if base == "ds_q8":
+        import ds_q8
+        from ds_q8 import functional as F
+        from ds_q8.optim.base import OPTIM_BITS_ATTR
+        if "emb32" in changes:
+            for p in embeddings:
+                setattr(p, OPTIM_BITS_ATTR, 32)
+        return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
+                                    state_rounding="nearest" if "nearest" in changes else "stochastic")
+    return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())
+
+
+# ---------------------------------------------------------------- one run
+@torch.no_grad()
+def evaluate(model, windows: torch.Tensor, cfg: Config) -> float:
+    total = 0.0
+    for chunk in windows.split(64):
+        logits = model(chunk[:, :-1]).logits
+        total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), chunk[:, 1:].reshape(-1),
+                                                         reduction="sum"))
+    return total / (windows.shape[0] * cfg.context)
+
+
+def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
+    torch.set_num_threads(1)
+    train, val = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    stride = (val.numel() - cfg.context - 1) // cfg.eval_windows
+    windows = torch.stack([val[i * stride:i * stride + cfg.context + 1] for i in range(cfg.eval_windows)])
+    torch.manual_seed(seed)
+    model = gpt_models.build_model(gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB,
+                                                             cfg.context))
+    opt = make_optimizer(name, model, lr, seed)
+    t0 = time.time()
+    losses, reason = [], ""
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr, cfg)
+        x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        if not torch.isfinite(loss):
+            reason = f"non-finite loss at step {step}"
+            break
+        losses.append(loss.item())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    final = float("nan") if reason else evaluate(model, windows, cfg)
+    return dict(optimizer=name, lr=lr, seed=seed, final_loss=final, reason=reason,
+                train_loss_last10=sum(losses[-10:]) / max(1, len(losses[-10:])), seconds=round(time.time() - t0, 1))
+
+
+def _run(job):
+    return train_one(*job)
+
+
+# ---------------------------------------------------------------- state drift
+def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
+    """Train with torch's AdamW and feed every step's gradients into shadow copies of its two states kept
+    in ds_q8's format, rounded to nearest and stochastically as ds_q8 does (second moment only): per
+    weight matrix, the shadows' second moment against torch's (median ratio) and the update direction
+    m / sqrt(v) they give against torch's (norm ratio, cosine), at the last step. The model follows
+    torch's trajectory, so only the states' rounding differs."""
+    from ds_q8 import functional as F
+    from ds_q8.optim import rounding
+
+    torch.set_num_threads(1)
+    train, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    torch.manual_seed(seed)
+    model = gpt_models.build_model(gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB,
+                                                             cfg.context))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, foreach=False)
+    named = {n: p for n, p in model.named_parameters() if p.dim() == 2}
+    signed, unsigned, bs = F.create_dynamic_map(True), F.create_dynamic_map(False), F.DEFAULT_BLOCK_SIZE
+    b1, b2 = 0.9, 0.999
+
+    def requantize(x, code, bits=None):
+        am = F.block_absmax(x, bs)
+        return F.dequantize_flat(F.quantize_with_absmax(x, am, code, bs, bits), am, code, bs)
+
+    shadows = {n: {k: torch.zeros(p.numel()) for k in ("m", "v", "m_near", "v_near", "m_sr", "v_sr")}
+               for n, p in named.items()}
+    for step in range(cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr, cfg)
+        x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        key = rounding.state_key(rounding.step_key(seed, step + 1), 1)
+        for i, (n, p) in enumerate(named.items()):
+            g, s = p.grad.reshape(-1), shadows[n]
+            s["m"] = b1 * s["m"] + (1 - b1) * g
+            s["v"] = b2 * s["v"] + (1 - b2) * g * g
+            bits = rounding.random_bits(key ^ i, torch.arange(g.numel()))
+            for kind, v_bits in (("near", None), ("sr", bits)):
+                s["m_" + kind] = requantize(b1 * s["m_" + kind] + (1 - b1) * g, signed)
+                s["v_" + kind] = requantize(b2 * s["v_" + kind] + (1 - b2) * g * g, unsigned, v_bits)
+        opt.step()
+    rows = []
+    for n, s in shadows.items():
+        u = s["m"] / (s["v"].sqrt() + 1e-8)
+        row = {"matrix": n.replace("transformer.", "")}
+        for kind in ("near", "sr"):
+            uq = s["m_" + kind] / (s["v_" + kind].sqrt() + 1e-8)
+            ratio = (s["v_" + kind] / s["v"])[s["v"] > 0]
+            row[kind] = dict(v_ratio_median=float(ratio.median()), update_norm_ratio=float(uq.norm() / u.norm()),
+                             update_cosine=float(torch.nn.functional.cosine_similarity(uq, u, dim=0)))
+        rows.append(row)
+    return rows
+
+
+def drift_table(rows: List[dict]) -> str:
+    head = ["weight matrix", "v / v32 (median), nearest", "stochastic", "update norm ratio, nearest", "stochastic",
+            "update cosine, nearest", "stochastic"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        n, s = r["near"], r["sr"]
+        lines.append(f"| {r['matrix']} | {n['v_ratio_median']:.3f} | {s['v_ratio_median']:.3f} | "
+                     f"{n['update_norm_ratio']:.3f} | {s['update_norm_ratio']:.3f} | {n['update_cosine']:.4f} | "
+                     f"{s['update_cosine']:.4f} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the table
+def summarize(runs: List[dict], cfg: Config) -> List[dict]:
+    rows = []
+    base: Dict[float, List[float]] = {lr: [r["final_loss"] for r in runs if r["optimizer"] == "torch" and r["lr"] == lr]
+                                      for lr in cfg.lrs}
+    for name in cfg.optimizers:
+        for lr in cfg.lrs:
+            at = [r for r in runs if r["optimizer"] == name and r["lr"] == lr]
+            if not at:
+                continue
+            finals = [r["final_loss"] for r in at]
+            ok = [f for f in finals if math.isfinite(f)]
+            ref = [f for f in base[lr] if math.isfinite(f)]
+            mean = sum(ok) / len(ok) if ok else float("nan")
+            ref_mean = sum(ref) / len(ref) if ref else float("nan")
+            by_seed = {r["seed"]: r["final_loss"] for r in runs if r["optimizer"] == "torch" and r["lr"] == lr}
+            paired = [100.0 * (r["final_loss"] / by_seed[r["seed"]] - 1.0) for r in at
+                      if math.isfinite(r["final_loss"]) and math.isfinite(by_seed.get(r["seed"], float("nan")))]
+            rows.append(dict(optimizer=name, lr=lr, runs=len(at), diverged=len(at) - len(ok), mean=mean,
+                             lo=min(ok) if ok else float("nan"), hi=max(ok) if ok else float("nan"),
+                             vs_32bit=100.0 * (mean / ref_mean - 1.0) if ok and ref else float("nan"),
+                             paired_sd=statistics.pstdev(paired) if len(paired) > 1 else float("nan"),
+                             paired_worst=max(paired, key=abs) if paired else float("nan"),
+                             worse_than_worst_32bit=sum(f > max(ref) for f in ok) + len(at) - len(ok) if ref else None,
+                             seconds=sum(r["seconds"] for r in at) / len(at)))
+    return rows
+
+
+def markdown_table(rows: List[dict]) -> str:
+    head = ["optimizer", "peak lr", "final val loss, mean", "range over seeds", "mean vs 32-bit",
+            "same seed vs 32-bit: spread (sd), worst", "seeds worse than 32-bit's worst", "diverged", "s / run"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = r["optimizer"] == "torch"
+        vs = "" if ref else f"{r['vs_32bit']:+.2f}%"
+        pair = "" if ref else f"{r['paired_sd']:.2f}%, {r['paired_worst']:+.2f}%"
+        worse = "" if ref else f"{r['worse_than_worst_32bit']}/{r['runs']}"
+        lines.append(f"| {r['optimizer']} | {r['lr']:g} | {r['mean']:.4f} | {r['lo']:.4f} - {r['hi']:.4f} | {vs} | "
+                     f"{pair} | {worse} | {r['diverged']}/{r['runs']} | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lrs", type=float, nargs="+", help="peak learning rates (default 1e-3 4e-3 1.6e-2)")
+    ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0-5)")
+    ap.add_argument("--optimizers", nargs="+", help="optimizers (default torch ds_q8 bnb; see the module doc)")
+    ap.add_argument("--steps", type=int, help="training steps per run (default 300)")
+    ap.add_argument("--batch", type=int, help="sequences per step (default 16)")
+    ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
+    ap.add_argument("--out", default="out/convergence", help="output folder")
+    ap.add_argument("--drift", action="store_true",
+                    help="instead: how far ds_q8-format states drift from torch's along torch's own trajectory "
+                         "(first --lrs value, first --seeds value), rounded to nearest and stochastically")
+    args = ap.parse_args(argv)
+    cfg = Config()
+    if args.steps is not None:
+        if args.steps < 1:
+            ap.error(f"--steps must be >= 1, got {args.steps}")
+        cfg.steps, cfg.warmup = args.steps, min(cfg.warmup, max(1, args.steps // 10))
+    if args.batch is not None:
+        if args.batch < 1:
+            ap.error(f"--batch must be >= 1, got {args.batch}")
+        cfg.batch = args.batch
+    if args.lrs:
+        if not all(lr > 0 for lr in args.lrs):
+            ap.error(f"--lrs must all be > 0, got {args.lrs}")
+        cfg.lrs = tuple(args.lrs)
+    if args.seeds:
+        cfg.seeds = tuple(args.seeds)
+    if args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
+    if args.drift:
+        lr, seed = (args.lrs or (4e-3,))[0], cfg.seeds[0] if args.seeds else 0
+        t0 = time.time()
+        table = drift_table(drift(lr, cfg, seed))
+        header = (f"State drift along torch AdamW's trajectory: lr {lr:g}, seed {seed}, after {cfg.steps} steps "
+                  f"(GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, batch {cfg.batch}).\n\n")
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "drift.md"), "w") as f:
+            f.write(header + table)
+        print(header + table)
+        print(f"{time.time() - t0:.0f} s; wrote {args.out}/drift.md")
+        return 0
+    names = list(args.optimizers or cfg.optimizers)
+    try:
+        for name in names:
+            check_optimizer_name(name)
+    except ValueError as e:
+        ap.error(str(e))
+    if "bnb" in names and not bnb_available():
+        print("bitsandbytes is not installed: its rows are left out (pip install bitsandbytes)")
+        names.remove("bnb")
+    if "torch" not in names:
+        names.insert(0, "torch")  # the reference of every comparison
+    cfg.optimizers = tuple(names)
+    jobs = [(name, lr, seed, cfg) for lr in cfg.lrs for seed in cfg.seeds for name in names]
+    os.makedirs(args.out, exist_ok=True)
+    t0, runs = time.time(), []
+    if args.workers > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            for r in pool.imap_unordered(_run, jobs):
+                runs.append(r)
+                print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
+                      f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
+    else:
+        for job in jobs:
+            runs.append(_run(job))
+            r = runs[-1]
+            print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
+                  f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
+    rows = summarize(runs, cfg)
+    table = markdown_table(rows)
+    header = (f"GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, context {cfg.context}, batch {cfg.batch}, {cfg.steps} "
+              f"steps, warmup {cfg.warmup} then cosine to 10%, seeds {list(cfg.seeds)}; final validation loss "
+              f"(nats per byte) on {cfg.eval_windows} windows.\n\n")
+    with open(os.path.join(args.out, "convergence.md"), "w") as f:
+        f.write(header + table)
+    with open(os.path.join(args.out, "convergence.json"), "w") as f:
+        json.dump(dict(config=dataclasses.asdict(cfg), runs=runs, rows=rows), f, indent=1)
+    print(header + table)
+    print(f"{len(runs)} runs in {time.time() - t0:.0f} s; wrote {args.out}/convergence.md and convergence.json")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
