@@ -89,3 +89,15 @@ CASES = {
 def kernel_cases():
     """``name -> (ds_q8 class, hyperparameters)``: the table without its references."""
     return {name: (ours, kw) for name, (ours, _, kw) in CASES.items()}
+
+
+def reference_step(opt):
+    """One step of ``opt`` forced onto the pure-PyTorch reference."""
+    saved = [g["impl"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["impl"] = "reference"
+    try:
+        opt.step()
+    finally:
+        for g, impl in zip(opt.param_groups, saved):
+            g["impl"] = impl

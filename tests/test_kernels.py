@@ -19,7 +19,7 @@ from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 from ds_q8.optim.base import get_map
 
-from optimizer_cases import kernel_cases
+from optimizer_cases import kernel_cases, reference_step  # noqa: F401 (reference_step: imported from here too)
 
 
 @pytest.fixture(scope="module")
@@ -51,18 +51,6 @@ def assert_same_bits(a, b, what):
         assert bool(same.all()), f"{what}: {int((~same).sum())} of {a.numel()} differ"
     else:
         assert torch.equal(a, b), f"{what}: {int((a != b).sum())} of {a.numel()} differ"
-
-
-def reference_step(opt):
-    """One step of ``opt`` forced onto the pure-PyTorch reference."""
-    saved = [g["impl"] for g in opt.param_groups]
-    for g in opt.param_groups:
-        g["impl"] = "reference"
-    try:
-        opt.step()
-    finally:
-        for g, impl in zip(opt.param_groups, saved):
-            g["impl"] = impl
 
 
 def kernel_calls(device="cpu") -> int:

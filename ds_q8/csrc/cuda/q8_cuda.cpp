@@ -10,11 +10,17 @@
 #include "q8_common.h"
 #include "q8_cuda_api.h"
 
+// Whether a tensor is where this op's kernels run. The tests' CPU execution harness (tests/cuda_sim)
+// builds this file for CPU tensors by defining it as t.is_cpu().
+#ifndef Q8_TENSOR_ON_DEVICE
+#define Q8_TENSOR_ON_DEVICE(t) (t).is_cuda()
+#endif
+
 namespace ds_q8 {
 namespace {
 
 void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& device) {
-    TORCH_CHECK_VALUE(t.is_cuda() && t.device() == device, name, " must be on ", device, ", got ", t.device());
+    TORCH_CHECK_VALUE(Q8_TENSOR_ON_DEVICE(t) && t.device() == device, name, " must be on ", device, ", got ", t.device());
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 

@@ -21,6 +21,12 @@
 #include "q8_common.h"
 #include "q8_cuda_api.h"
 
+// Every launch goes through Q8_LAUNCH: CUDA's <<<>>> here, the CPU execution harness of the tests
+// (tests/cuda_sim/cuda_sim.h) where it defines its own.
+#ifndef Q8_LAUNCH
+#define Q8_LAUNCH(kernel, grid, threads, stream, ...) kernel<<<(grid), (threads), 0, (stream)>>>(__VA_ARGS__)
+#endif
+
 namespace ds_q8 {
 namespace {
 
@@ -473,7 +479,7 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
         }
         if (list.count == 0) continue;
         list.first_cta[list.count] = (int32_t)ctas;
-        kernel<<<(unsigned)ctas, threads, 0, stream>>>(list, rule);
+        Q8_LAUNCH(kernel, (unsigned)ctas, threads, stream, list, rule);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
 }
@@ -550,7 +556,7 @@ void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, c
     auto stream = c10::cuda::getCurrentCUDAStream();
     const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
-    quantize_kernel<T><<<(unsigned)geo.grid, geo.threads, 0, stream>>>(                                      \
+    Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, stream,                                     \
         reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), lk, n, \
         (int)block_size, geo.threads_per_qblock, x_align, codes_align)
     switch (x.scalar_type()) {
@@ -573,7 +579,7 @@ void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at
     const int out_align = alignment(out.data_ptr()), codes_align = alignment(codes.data_ptr());
     auto stream = c10::cuda::getCurrentCUDAStream();
 #define Q8_DEQUANTIZE(T)                                                                                     \
-    dequantize_kernel<T><<<(unsigned)grid, threads, 0, stream>>>(                                            \
+    Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, stream,                                           \
         reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),          \
         code.data_ptr<float>(), n, (int)block_size, out_align, codes_align)
     switch (out.scalar_type()) {

@@ -1,0 +1,176 @@
+"""Builds and loads the CUDA op's CPU execution harness (tests/cuda_sim): the CUDA op's binding and
+its device code (``q8_cuda_kernels.cu``, unmodified, or a planted-bug copy), compiled with g++ as host
+C++ over ``cuda_sim.h``. The module has the CUDA op's API and takes CPU tensors.
+
+Builds: ``plain``; ``tsan`` (``-fsanitize=thread``); ``asan`` (``-fsanitize=address,undefined``, the
+first report ends the process). A sanitizer build loads only into a process started with its runtime
+in ``LD_PRELOAD`` (:func:`sanitizer_env`); :func:`run_sanitized` starts such a process.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+SIM = os.path.join(TESTS, "cuda_sim")
+CU = os.path.join(ROOT, "ds_q8", "csrc", "cuda", "q8_cuda_kernels.cu")
+
+#: the build the tests of this process use: Q8_SIM_BUILD, set by run_sanitized for its child
+BUILD = os.environ.get("Q8_SIM_BUILD", "plain")
+
+FLAGS = {
+    "plain": [],
+    "tsan": ["-fsanitize=thread"],
+    "asan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"],
+}
+RUNTIME = {"tsan": "libtsan.so", "asan": "libasan.so"}
+# preloaded after the runtime: ASan intercepts C++ throws only if libstdc++ is there when it starts
+# (python itself does not link it)
+PRELOAD_AFTER = {"tsan": [], "asan": ["libstdc++.so"]}
+
+if BUILD not in FLAGS:
+    raise ValueError(f"Q8_SIM_BUILD must be one of {sorted(FLAGS)}, got {BUILD!r}")
+if BUILD != "plain":
+    # the runtime is loaded by now; the compilers this process starts must not preload it
+    os.environ.pop("LD_PRELOAD", None)
+
+
+def _digest(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _sim_files():
+    return [os.path.join(SIM, n) for n in ("cuda_sim.h", "kernels.cpp", "binding.cpp")] + [
+        os.path.join(SIM, "include", "c10", "cuda", n) for n in ("CUDAGuard.h", "CUDAStream.h")]
+
+
+def build_dir() -> str:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.dirname(_get_build_directory("ds_q8_cuda_sim", verbose=False))
+
+
+def load(build: str = BUILD, kernels: str = CU, name: str = ""):
+    """The harness module of ``build`` with the device code of ``kernels`` (a ``q8_cuda_kernels.cu``)."""
+    if build not in FLAGS:
+        raise ValueError(f"build must be one of {sorted(FLAGS)}, got {build!r}")
+    if build != "plain" and not _runtime_loaded(build):
+        raise RuntimeError(f"the {build} build needs {RUNTIME[build]} preloaded: run it through run_sanitized")
+    return _load(build, os.path.abspath(kernels), name)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(build, kernels, name):
+    from torch.utils.cpp_extension import load as jit_load
+
+    from ds_q8.op_builder.common import csrc, headers_define
+
+    # torch rebuilds on changed sources and flags, not included files: their digest goes into the flags
+    digest = _digest([kernels] + _sim_files())
+    flags = ["-O1", "-g", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas",
+             headers_define(), f"-DQ8_SIM_SOURCE={digest}"] + FLAGS[build]
+    return jit_load(name=f"ds_q8_cuda_sim_{build}{name}", sources=[os.path.join(SIM, "binding.cpp"),
+                                                                  os.path.join(SIM, "kernels.cpp")],
+                    extra_include_paths=[os.path.join(SIM, "include"), os.path.dirname(kernels), csrc("includes"),
+                                         csrc("cpu"), csrc("cuda")],
+                    extra_cflags=flags, extra_ldflags=FLAGS[build])
+
+
+def stat(module, what: str) -> int:
+    """Harness counters: "launches", "ctas", "last_grid", "last_threads"."""
+    index = ["launches", "ctas", "last_grid", "last_threads"].index(what)
+    lib = ctypes.CDLL(module.__file__)
+    lib.q8sim_stat.restype = ctypes.c_int64
+    return int(lib.q8sim_stat(index))
+
+
+def _runtime_loaded(build: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return RUNTIME[build].split(".")[0] in f.read()
+
+
+def sanitizer_env(build: str) -> dict:
+    """The environment of a process that runs the ``build`` harness: its runtime preloaded, reports fatal."""
+    libs = []
+    for name in [RUNTIME[build]] + PRELOAD_AFTER[build]:
+        out = subprocess.run(["g++", f"-print-file-name={name}"], capture_output=True, text=True, check=True)
+        if not os.path.isabs(out.stdout.strip()):
+            raise RuntimeError(f"g++ has no {name} (the {build} build needs it)")
+        libs.append(out.stdout.strip())
+    env = dict(os.environ, Q8_SIM_BUILD=build, LD_PRELOAD=" ".join(libs))
+    env["TSAN_OPTIONS"] = "halt_on_error=1 exitcode=66 report_signal_unsafe=0 second_deadlock_stack=1"
+    env["ASAN_OPTIONS"] = "detect_leaks=0 halt_on_error=1 exitcode=67 abort_on_error=0"
+    env["UBSAN_OPTIONS"] = "halt_on_error=1 print_stacktrace=1 exitcode=68"
+    return env
+
+
+def run_sanitized(build: str, args, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """``python -m pytest <args>`` under the ``build`` harness (output captured). The child does not
+    capture (-s): a sanitizer that ends the process at its first report must find a real stderr."""
+    full = sanitizer_env(build)
+    full.update(env or {})
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *args], cwd=ROOT,
+                          env=full, capture_output=True, text=True, timeout=timeout)
+
+
+class SimAsCpuOp:
+    """The harness module in the CPU op's place (``ops._modules["cpu"]``): the optimizers' CPU path then
+    runs the CUDA op's binding, launchers and device code. CPU entry points take an instruction set
+    first, which the harness ignores; what the CUDA op lacks comes from the CPU op."""
+
+    def __init__(self, sim, cpu):
+        self.sim, self.cpu = sim, cpu
+
+    def rules(self):
+        return self.sim.rules()
+
+    def build_lookup(self, code):
+        return self.sim.build_lookup(code)
+
+    def limits(self):
+        return self.sim.limits()
+
+    def step(self, isa, *args, **kwargs):
+        return self.sim.step(*args, **kwargs)
+
+    def step_many(self, isa, *args, **kwargs):
+        return self.sim.step_many(*args, **kwargs)
+
+    def step_fp32_many(self, isa, *args, **kwargs):
+        return self.sim.step_fp32_many(*args, **kwargs)
+
+    def quantize(self, isa, *args):
+        return self.sim.quantize(*args)
+
+    def dequantize(self, isa, *args):
+        return self.sim.dequantize(*args)
+
+    def dequantize_into(self, isa, codes, absmax, code, block_size, out):
+        out.copy_(self.sim.dequantize(codes, absmax, code, block_size, out.dtype))
+
+    def __getattr__(self, name):
+        return getattr(self.cpu, name)
+
+
+@contextlib.contextmanager
+def as_cpu_op(sim):
+    """Inside the block, CPU tensors step through the harness ``sim`` instead of the CPU op."""
+    from ds_q8 import ops
+
+    cpu = ops.load_op("cpu", required=True)
+    saved = ops._modules["cpu"]
+    ops._modules["cpu"] = SimAsCpuOp(sim, cpu)
+    try:
+        yield ops._modules["cpu"]
+    finally:
+        ops._modules["cpu"] = saved

@@ -1,0 +1,380 @@
+"""The CUDA op's device code executed on the CPU: its binding, launchers and kernels
+(``q8_cuda_kernels.cu``, unmodified) compiled with g++ over the harness of ``tests/cuda_sim``, one
+OS thread per CUDA thread. Every result is compared bit for bit with the pure-PyTorch reference.
+
+The module runs in three builds: plain (here), ThreadSanitizer and AddressSanitizer with UBSan
+(``test_sanitized_builds_are_clean`` runs this file again in a process with the sanitizer's
+runtime; ``Q8_SIM_BUILD`` says which build a process uses). ``test_planted_bugs_are_reported``
+plants known bugs in a copy of the ``.cu`` and checks that each is reported.
+
+What this proves: the device code's arithmetic, indexing, tails, alignment paths, barriers and warp
+exchanges, and the host code that packs tensor lists, splits grids and passes the skip flag. What
+only a GPU can show: nvcc's code generation, the GPU memory model (races between CTAs, the
+order of global writes), and speed.
+"""
+import os
+
+import pytest
+import torch
+
+import ds_q8
+from ds_q8 import functional as F
+from ds_q8 import ops
+from ds_q8.optim.base import get_map
+
+import sim_op
+from optimizer_cases import kernel_cases
+from test_kernels import assert_same_bits, assert_same_param, reference_step
+
+#: the device code under test: the shipped .cu, or (planted-bug runs) the copy Q8_SIM_KERNELS names
+KERNELS = os.environ.get("Q8_SIM_KERNELS", sim_op.CU)
+PARENT = sim_op.BUILD == "plain" and "Q8_SIM_KERNELS" not in os.environ
+
+pytestmark = [pytest.mark.cuda_sim, pytest.mark.slow]  # a build of about a minute first
+
+RULES = kernel_cases()
+DTYPE_PAIRS = {  # (param, grad): every pair the CUDA op accepts
+    "fp32": (torch.float32, torch.float32),
+    "fp16": (torch.float16, torch.float16),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp16-fp32grad": (torch.float16, torch.float32),
+    "bf16-fp32grad": (torch.bfloat16, torch.float32),
+}
+BLOCK_SIZES = [64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def sizes_of(bs):
+    return [1, 7, bs - 1, bs, bs + 1, 3 * bs + 7]
+
+
+@pytest.fixture(scope="module")
+def sim():
+    return sim_op.load(kernels=KERNELS, name="_planted" if KERNELS != sim_op.CU else "")
+
+
+def launches(sim):
+    return sim_op.stat(sim, "launches")
+
+
+def run_pair(sim, cls, kw, sizes, dtype, grad_dtype=None, block_size=256, steps=3, seed=0, **options):
+    """One optimizer over params of ``sizes`` stepped through the harness, one through the reference;
+    returns (params, optimizer) of both. Each step's gradients span three decades."""
+    gen = torch.Generator().manual_seed(seed)
+    p0 = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
+    pk = [torch.nn.Parameter(x.clone()) for x in p0]
+    pr = [torch.nn.Parameter(x.clone()) for x in p0]
+    for a, b in zip(pk, pr):
+        if grad_dtype is not None:
+            a.grad_dtype = b.grad_dtype = grad_dtype
+    common = dict(block_size=block_size, min_8bit_size=0)
+    common.update(kw)
+    common.update(options)
+    ok, orf = cls(pk, impl="kernel", **common), cls(pr, impl="reference", **common)
+    before = launches(sim)
+    for s in range(steps):
+        for i, (a, b) in enumerate(zip(pk, pr)):
+            g = torch.randn(a.numel(), generator=gen) * 10.0 ** ((s + i) % 3 - 1)
+            if a.numel() > block_size and s == 1:
+                g[:block_size] = 0  # a block whose state decays towards zero
+            g = g.to(grad_dtype or dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        with sim_op.as_cpu_op(sim):
+            ok.step()
+        reference_step(orf)
+    assert launches(sim) >= before + steps, "the harness did not run"
+    return (pk, ok), (pr, orf)
+
+
+def assert_same(kernel, reference, label=""):
+    (pk, ok), (pr, orf) = kernel, reference
+    for i, (a, b) in enumerate(zip(pk, pr)):
+        assert_same_param(a, ok, b, orf, f"{label} param {i} ({a.numel()} elements)")
+
+
+# ---------------------------------------------------------------------------- 8-bit steps
+
+@pytest.mark.parametrize("pair", list(DTYPE_PAIRS))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_every_rule_and_dtype_pair(sim, rule, pair):
+    cls, kw = RULES[rule]
+    dtype, grad_dtype = DTYPE_PAIRS[pair]
+    kernel, reference = run_pair(sim, cls, kw, sizes_of(256), dtype, grad_dtype)
+    assert kernel[1].is_8bit_state(kernel[1].state[kernel[0][-1]])
+    assert_same(kernel, reference, f"{rule} {pair}")
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("rule", ["adamw", "lion", "adagrad"])
+def test_every_block_size_and_tail(sim, rule, block_size):
+    # T = block_size/8 threads per block: 8 to 512, a warp's shuffles alone up to 32, shared memory beyond
+    cls, kw = RULES[rule]
+    kernel, reference = run_pair(sim, cls, kw, sizes_of(block_size), torch.bfloat16, torch.float32,
+                                 block_size=block_size, steps=2)
+    assert sim_op.stat(sim, "last_threads") == max(256, block_size // 8)
+    assert_same(kernel, reference, f"{rule} block_size {block_size}")
+
+
+@pytest.mark.parametrize("options", [dict(state_rounding="nearest", stochastic_rounding=False),
+                                     dict(stochastic_rounding=True, sr_seed=7)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rounding_choices(sim, dtype, options):
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, steps=3, **options)
+    assert_same(kernel, reference, str(options))
+
+
+def test_lists_longer_than_one_launch(sim):
+    """40 tensors: two launches per step (36 tensors each at most), each CTA finding its tensor."""
+    sizes = [1 + (37 * i) % 700 for i in range(40)]
+    before = launches(sim)
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes, torch.float32, steps=2)
+    assert launches(sim) - before == 4
+    assert_same(kernel, reference, "40 tensors")
+
+
+def test_many_ctas_per_tensor(sim):
+    """Tensors of many CTAs each, in one list: the block-to-tensor search across CTA ranges."""
+    kernel, reference = run_pair(sim, ds_q8.Adam8bitBlock, {}, [20_000, 3, 9_000, 64 * 8 + 1],
+                                 torch.float32, block_size=64, steps=2)
+    assert_same(kernel, reference, "many CTAs")
+
+
+# ---------------------------------------------------------------------------- float32 states
+
+@pytest.mark.parametrize("pair", list(DTYPE_PAIRS))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_fp32_state_kernel(sim, rule, pair):
+    cls, kw = RULES[rule]
+    dtype, grad_dtype = DTYPE_PAIRS[pair]
+    kernel, reference = run_pair(sim, cls, kw, sizes_of(256) + [2048 + 9], dtype, grad_dtype, steps=2,
+                                 min_8bit_size=10 ** 9)
+    pk, ok = kernel
+    assert not ok.is_8bit_state(ok.state[pk[0]])
+    assert_same(kernel, reference, f"fp32 states {rule} {pair}")
+
+
+# ---------------------------------------------------------------------------- direct op calls
+
+def _lists(sim, sizes, dtype=torch.float32, block_size=256, seed=0, offset=0, states=2, fp32=False):
+    """AdamW inputs for step_many (or step_fp32_many): each param/grad a view ``offset`` elements
+    into a larger buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n + offset, generator=gen).to(dtype)[offset:] for n in sizes]
+    grads = [torch.randn(n + offset, generator=gen).to(dtype)[offset:] for n in sizes]
+    opt = ds_q8.AdamW8bitBlock([torch.nn.Parameter(params[0].clone())], block_size=block_size, min_8bit_size=0)
+    group = opt.param_groups[0]
+    hyper = dict(opt._hyper(group, 3))
+    if fp32:
+        st = [[torch.rand(n, generator=gen) for _ in range(states)] for n in sizes]
+        return params, grads, st, hyper
+    maps = opt._maps(group, torch.device("cpu"))
+    lookups = [sim.build_lookup(m) for m in maps]
+    codes = [[torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for _ in range(states)] for n in sizes]
+    absmax = [[torch.rand(-(-n // block_size), generator=gen) for _ in range(states)] for n in sizes]
+    return params, grads, codes, absmax, maps, lookups, hyper
+
+
+def _flat(*lists):
+    out = []
+    for x in lists:
+        for t in x:
+            out.extend(t if isinstance(t, list) else [t])
+    return [t.clone() for t in out]
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])  # fp32 views 4, 8 and 12 bytes in
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_offset_views_match_aligned_copies(sim, dtype, offset):
+    p, g, s, a, maps, lookups, hyper = _lists(sim, sizes_of(256), dtype, offset=offset)
+    q, h, t, b = [x.clone() for x in p], [x.clone() for x in g], [[c.clone() for c in st] for st in s], \
+        [[c.clone() for c in st] for st in a]
+    sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, [], [])
+    sim.step_many("adamw", q, h, t, b, maps, lookups, 256, hyper, [], [])
+    for x, y in zip(_flat(p, s, a), _flat(q, t, b)):
+        assert_same_bits(x, y, f"offset {offset}")
+
+
+def test_misaligned_code_views_match_aligned_copies(sim):
+    p, g, s, a, maps, lookups, hyper = _lists(sim, [4099, 5000, 257, 8, 16])
+    s_off = []
+    for k, st in enumerate(s):
+        views = []
+        for c in st:
+            buf = torch.empty(c.numel() + 4, dtype=torch.uint8)
+            v = buf[1 + k % 3:1 + k % 3 + c.numel()]
+            v.copy_(c)
+            views.append(v)
+        s_off.append(views)
+    q, b = [x.clone() for x in p], [[c.clone() for c in st] for st in a]
+    sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, [], [])
+    sim.step_many("adamw", q, g, s_off, b, maps, lookups, 256, hyper, [], [])
+    for x, y in zip(_flat(p, s, a), _flat(q, s_off, b)):
+        assert_same_bits(x, y, "codes views")
+
+
+def test_skip_flag_set_and_clear(sim):
+    args = _lists(sim, sizes_of(256) * 7)  # 42 tensors: two launches
+    p, g, s, a, maps, lookups, hyper = args
+    before = _flat(p, s, a)
+    sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, [], [], skip=torch.ones(1, dtype=torch.int32))
+    for x, y in zip(_flat(p, s, a), before):
+        assert_same_bits(x, y, "skipped step")
+    p2, g2, s2, a2 = _lists(sim, sizes_of(256) * 7)[:4]
+    sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, [], [], skip=torch.zeros(1, dtype=torch.int32))
+    sim.step_many("adamw", p2, g2, s2, a2, maps, lookups, 256, hyper, [], [])
+    for x, y in zip(_flat(p, s, a), _flat(p2, s2, a2)):
+        assert_same_bits(x, y, "flag 0 against no flag")
+    assert not all(torch.equal(x, y) for x, y in zip(_flat(p, s, a), before))
+
+    p, g, st, hyper = _lists(sim, sizes_of(256) * 7, fp32=True)
+    before = _flat(p, st)
+    sim.step_fp32_many("adamw", p, g, st, hyper, [], [], skip=torch.full((1,), 7, dtype=torch.int32))
+    for x, y in zip(_flat(p, st), before):
+        assert_same_bits(x, y, "skipped fp32 step")
+    sim.step_fp32_many("adamw", p, g, st, hyper, [], [], skip=torch.zeros(1, dtype=torch.int32))
+    assert not torch.equal(p[-1], before[len(p) - 1])
+
+
+def test_unsupported_dtype_pair_is_refused(sim):
+    p, g, s, a, maps, lookups, hyper = _lists(sim, [100])
+    with pytest.raises(ValueError, match="no CUDA kernel for param"):
+        sim.step_many("adamw", p, [x.half() for x in g], s, a, maps, lookups, 256, hyper, [], [])
+
+
+def test_telemetry_sums_match_the_cpu_op(sim):
+    """The kernels' requantization error sums (atomicAdd of doubles) against the CPU op's."""
+    sizes = sizes_of(256)
+    reports = []
+    for use_sim in (True, False):
+        gen = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in sizes]
+        opt = ds_q8.AdamW8bitBlock(params, block_size=256, min_8bit_size=0, impl="kernel")
+        opt.track_quantization(1)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.numel(), generator=gen)
+            if use_sim:
+                with sim_op.as_cpu_op(sim):
+                    opt.step()
+            else:
+                opt.step()
+        reports.append(opt.quantization_report())
+    assert reports[0]["measured_step"] == reports[1]["measured_step"] == 2
+    for name, total in reports[1]["states"].items():
+        assert total["rel_error"] > 0
+        assert reports[0]["states"][name] == pytest.approx(total, rel=1e-9), name
+    for mine, theirs in zip(reports[0]["params"], reports[1]["params"]):
+        for name in reports[1]["states"]:
+            assert mine[name] == pytest.approx(theirs[name], rel=1e-9), (mine["param"], name)
+
+
+# ---------------------------------------------------------------------------- (de)quantize
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_and_dequantize(sim, dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    for signed in (True, False):
+        code = get_map("dynamic", signed, torch.device("cpu"))
+        lookup = sim.build_lookup(code)
+        for n in sizes_of(block_size):
+            x = torch.randn(n, generator=gen).to(dtype) * 3
+            x = x if signed else x.abs()
+            codes, absmax = sim.quantize(x, code, lookup, block_size)
+            rc, ra = F.quantize_blockwise(x, code, block_size)
+            assert_same_bits(codes, rc, f"codes n={n}")
+            assert_same_bits(absmax, ra, f"absmax n={n}")
+            out = sim.dequantize(codes, absmax, code, block_size, dtype)
+            assert_same_bits(out, F.dequantize_blockwise(rc, ra, code, block_size, dtype), f"dequantize n={n}")
+
+
+def test_quantize_misaligned_views(sim):
+    code = get_map("dynamic", True, torch.device("cpu"))
+    lookup = sim.build_lookup(code)
+    base = torch.randn(3000)
+    for offset in (1, 2, 3):
+        x = base[offset:offset + 2500]
+        codes, absmax = sim.quantize(x, code, lookup, 256)
+        rc, ra = F.quantize_blockwise(x.contiguous(), code, 256)
+        assert_same_bits(codes, rc, f"offset {offset}")
+        assert_same_bits(absmax, ra, f"offset {offset}")
+
+
+# ---------------------------------------------------------------------------- planted bugs
+# Each: (build that must report it, what it is, text of the .cu, the same text with the bug behind
+# Q8_SIM_BUG(n), the tests to run, what the report must say).
+PLANTED = {
+    1: ("tsan", "a __syncthreads removed from the block reduction",
+        "    if ((threadIdx.x & 31) == 0) red[warp] = local;\n    __syncthreads();\n",
+        "    if ((threadIdx.x & 31) == 0) red[warp] = local;\n    if (!Q8_SIM_BUG(1)) __syncthreads();\n",
+        "test_every_block_size_and_tail and adamw-1024", "ThreadSanitizer: data race"),
+    2: ("asan", "threads past the end return before the shuffles of the block reduction",
+        "    const float am = qblock_absmax(local, Tq, red);\n",
+        "    if (Q8_SIM_BUG(2) && !live) return;\n    const float am = qblock_absmax(local, Tq, red);\n",
+        "test_quantize_and_dequantize and dtype0-256", "lane(s) of its warp"),
+    3: ("asan", "an off-by-one in the dequantize kernel's tail",
+        "    const int cnt = (int)(numel - start < kElems ? numel - start : kElems);\n    uint32_t c[kElems];\n",
+        "    const int cnt = (int)(numel - start < kElems ? numel - start + (Q8_SIM_BUG(3) ? 1 : 0) : kElems);\n"
+        "    uint32_t c[kElems];\n",
+        "test_quantize_and_dequantize and dtype0-256", "AddressSanitizer: heap-buffer-overflow"),
+    4: ("asan", "16-byte loads through an 8-byte-aligned pointer",
+        "void load_words(const void* p, uint32_t (&w)[kWords], int align) {\n    if (kWords % 4 == 0 && align >= 16) {",
+        "void load_words(const void* p, uint32_t (&w)[kWords], int align) {\n"
+        "    if (kWords % 4 == 0 && align >= (Q8_SIM_BUG(4) ? 8 : 16)) {",
+        "test_offset_views_match_aligned_copies and dtype0-2", "misaligned address"),
+    5: ("asan", "the wrong tensor from the list search",
+        "        if (list.first_cta[mid] <= b) lo = mid;\n",
+        "        if (Q8_SIM_BUG(5) ? list.first_cta[mid] < b : list.first_cta[mid] <= b) lo = mid;\n",
+        "test_lists_longer_than_one_launch", "differ"),
+}
+
+
+def planted_copy() -> str:
+    """The .cu with every planted bug behind its switch, at a stable path (so its builds are cached)."""
+    with open(sim_op.CU) as f:
+        source = f.read()
+    for n, (_, what, old, new, _, _) in PLANTED.items():
+        assert source.count(old) == 1, f"planted bug {n} ({what}): its text is no longer in the .cu once"
+        source = source.replace(old, new)
+    folder = os.path.join(sim_op.build_dir(), "ds_q8_cuda_sim_planted")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "q8_cuda_kernels.cu")
+    if not os.path.exists(path) or open(path).read() != source:
+        with open(path, "w") as f:
+            f.write(source)
+    return path
+
+
+def _run_planted(build, bug, select):
+    return sim_op.run_sanitized(build, [__file__, "-x", "-k", select],
+                                env={"Q8_SIM_KERNELS": planted_copy(), "Q8_SIM_BUG": str(bug),
+                                     "Q8_SIM_WATCHDOG_S": "20"}, timeout=1500)
+
+
+@pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
+@pytest.mark.parametrize("bug", list(PLANTED))
+def test_planted_bugs_are_reported(bug):
+    build, what, _, _, select, report = PLANTED[bug]
+    control = _run_planted(build, 0, select)  # the copy with no bug active passes the same tests
+    assert control.returncode == 0, f"the planted copy without its bug fails:\n{control.stdout[-3000:]}" \
+                                    f"\n{control.stderr[-3000:]}"
+    run = _run_planted(build, bug, select)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and report in out, f"planted bug {bug} ({what}) was not reported as {report!r} " \
+                                                  f"by the {build} build (rc {run.returncode}):\n{out[-4000:]}"
+
+
+# ---------------------------------------------------------------------------- sanitizer builds
+
+SANITIZER_REPORTS = ("ThreadSanitizer", "AddressSanitizer", "runtime error:", "LeakSanitizer")
+
+
+@pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
+@pytest.mark.parametrize("build", ["tsan", "asan"])
+def test_sanitized_builds_are_clean(build):
+    """This file's matrix again, in a process with the build's runtime: every test passes, no report."""
+    run = sim_op.run_sanitized(build, [__file__], timeout=2400)  # the tests of this one skip there
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, f"the {build} build failed (rc {run.returncode}):\n{out[-6000:]}"
+    found = [r for r in SANITIZER_REPORTS if r in out]
+    assert not found, f"the {build} build reported {found}:\n{out[-6000:]}"
+    assert " passed" in run.stdout and "failed" not in run.stdout
