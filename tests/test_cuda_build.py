@@ -21,6 +21,7 @@ def test_nvcc_flags_keep_ieee_rounding(monkeypatch):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0")
     args = Q8CUDABuilder().nvcc_args()
     assert "-fmad=false" in args and "--use_fast_math" not in args
+    assert "-ffp-contract=off" in Q8CUDABuilder().cxx_args()
 
 
 @pytest.mark.skipif(GPU, reason="a GPU is visible, so the architecture can be probed")

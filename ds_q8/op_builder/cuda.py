@@ -36,7 +36,8 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         return [csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
 
     def cxx_args(self):
-        return ["-O3", headers_define()]
+        # the host C++ file builds lookup tables: no FMA contraction there either, as in the CPU op
+        return ["-O3", "-ffp-contract=off", "-fno-fast-math", headers_define()]
 
     def nvcc_args(self):
         # Not DeepSpeed's defaults: --use_fast_math (and nvcc's default FMA contraction) would

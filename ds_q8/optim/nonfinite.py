@@ -98,9 +98,9 @@ class PendingSkips:
 
     def add(self, flag: torch.Tensor, counters: list) -> None:
         host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(flag, non_blocking=True)
+        host.copy_(flag, non_blocking=True)  # on the current stream of the flag's device
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(flag.device))  # that stream, even when another device is current
         self.entries.append((host, event, counters))
 
     def settle(self, optimizer) -> None:
