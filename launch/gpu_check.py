@@ -1,5 +1,7 @@
 """The correctness and speed stages of launch/gpu_check.sh, on one CUDA GPU.
 
+    python launch/gpu_check.py preflight                 imports, a visible GPU (STOP line, exit 2, if none)
+    python launch/gpu_check.py build                     the CUDA op and the CPU op, at the same time
     python launch/gpu_check.py correctness --out DIR     kernels vs the pure-PyTorch reference
     python launch/gpu_check.py speed --out DIR [--n N]   CUDA-event timings against copy, bnb, torch
     python launch/gpu_check.py sanitize                  a small run for compute-sanitizer
@@ -63,6 +65,12 @@ class Report:
         self.failed += ok is False
         print(f"{word} {name}{': ' + detail if detail else ''}", flush=True)
         self.data["results"].append(dict(name=name, result=word, detail=detail, **values))
+        self._write()
+
+    def target(self, name: str, met: bool, detail: str, **values):
+        """A speed target: the measured figure against it, reported, never a failure (FAIL is for wrong results)."""
+        print(f"TARGET {name}: {'met' if met else 'missed'}, {detail}", flush=True)
+        self.data["results"].append(dict(name=name, result="TARGET", met=bool(met), detail=detail, **values))
         self._write()
 
     def info(self, key: str, value):
@@ -142,7 +150,9 @@ def correctness(report: Report, quick: bool) -> None:
         return f"{len(sizes)} tensors, {steps} steps"
 
     dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    from test_kernels import RULES, reference_step  # tests/ is on sys.path (main)
+    # tests/ is on sys.path (main); optimizer_cases builds nothing (test_kernels would build the CPU op)
+    from optimizer_cases import kernel_cases, reference_step
+    RULES = kernel_cases()
 
     module = ops.load_op(DEVICE)
     assert module is not None, "the CUDA op did not load"
@@ -377,14 +387,13 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -
             peers["bitsandbytes AdamW8bit"] = timed(f"{label} bitsandbytes AdamW8bit", bnb_step)
         for peer, ms in peers.items():
             if ds and ms:
-                report.add(f"target {label} ds_q8 step faster than {peer}", ds < ms, f"{ds:.2f} ms vs {ms:.2f} ms")
+                report.target(f"{label} ds_q8 step faster than {peer}", ds < ms, f"{ds:.2f} ms vs {ms:.2f} ms")
 
     copy_ms = timed("copy fp32 (dst.copy_(src))", copy, BYTES_COPY)
     kernel_ms = timed("ds_q8 step_many kernel", ds_kernel, BYTES_8BIT)
     if copy_ms and kernel_ms:
         frac = (BYTES_8BIT / kernel_ms) / (BYTES_COPY / copy_ms)
-        report.add("target kernel >= 80% of copy bandwidth", frac >= 0.8, f"{100 * frac:.0f}% at n={n}",
-                   fraction=frac)
+        report.target("kernel >= 80% of copy bandwidth", frac >= 0.8, f"{100 * frac:.0f}% at n={n}", fraction=frac)
     against_peers(f"n={n}", param, n, nonfinite_off=True)
     base = grad = None  # frees 2 x 4n bytes before the GPT-2 XL rows (their closures are done)
     release()
@@ -406,10 +415,60 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -
     against_peers("gpt2-xl", xl_params, total)
 
 
+# ---------------------------------------------------------------------------------------------- preflight, build
+def preflight() -> int:
+    """What every later stage needs: torch with CUDA, DeepSpeed, ds_q8 from this tree, a visible GPU.
+    Builds nothing. Returns 2 (one STOP line) when a stage cannot run here."""
+    import torch
+
+    import deepspeed
+
+    import ds_q8
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(ds_q8.__file__)))
+    if not os.path.samefile(here, ROOT):
+        print(f"STOP preflight: ds_q8 is imported from {here}, not from this tree ({ROOT})", flush=True)
+        return 2
+    if not torch.version.cuda:
+        print(f"STOP preflight: torch {torch.__version__} is a CPU-only build; the checks need a CUDA build",
+              flush=True)
+        return 2
+    if not torch.cuda.is_available():
+        print(f"STOP preflight: no CUDA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda}); "
+              "nothing was built or run", flush=True)
+        return 2
+    print(f"PASS preflight: torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
+          f"{torch.cuda.get_device_name()}, CUDA_HOME={os.environ.get('CUDA_HOME')}", flush=True)
+    try:
+        import bitsandbytes
+        print(f"INFO bitsandbytes {bitsandbytes.__version__}", flush=True)
+    except Exception as exc:  # an optional peer of the speed rows
+        print(f"INFO bitsandbytes unavailable ({' '.join(str(exc).split())[:200]}): its speed rows are skipped",
+              flush=True)
+    return 0
+
+
+def build() -> int:
+    """The CUDA op (here) and the CPU op (a second process, at the same time) that the later stages load:
+    every compile happens in this stage."""
+    import subprocess
+
+    cpu = subprocess.Popen([sys.executable, "-c", "from ds_q8.op_builder import Q8CPUBuilder; "
+                            "print('CPU op ISAs:', list(Q8CPUBuilder().load().supported_isas()))"], cwd=ROOT)
+    t = time.time()
+    from ds_q8.op_builder import Q8CUDABuilder
+
+    Q8CUDABuilder().load(verbose=True)
+    print(f"PASS build CUDA op: loaded after {time.time() - t:.0f} s", flush=True)
+    rc = cpu.wait()
+    print(f"{'PASS' if rc == 0 else 'FAIL'} build CPU op: {time.time() - t:.0f} s (exit {rc})", flush=True)
+    return 0 if rc == 0 else 1
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["correctness", "speed", "sanitize"])
+    ap.add_argument("stage", choices=["preflight", "build", "correctness", "speed", "sanitize"])
     ap.add_argument("--out", help="directory for gpu_check_<stage>.json (default: no file)")
     ap.add_argument("--n", type=int, default=1_500_000_000, help="parameters of the single-tensor speed rows")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row (median reported; at least 5)")
@@ -424,10 +483,16 @@ def main(argv=None) -> int:
         ap.error(f"--reps must be at least 5, got {args.reps}")
     if args.n < 1:
         ap.error(f"--n must be a positive number of parameters, got {args.n}")
+    if args.stage in ("preflight", "build") and not args.dry_run:
+        return preflight() if args.stage == "preflight" else build()
     path = os.path.join(args.out, f"gpu_check_{args.stage}.json") if args.out else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.dry_run:
+        if args.stage in ("preflight", "build"):
+            print(f"dry run of {args.stage}: " + ("imports and the GPU" if args.stage == "preflight" else
+                                                  "the CUDA and CPU ops"))
+            return 0
         plan = {"correctness": [" ".join(map(str, c)) for c in correctness_plan(args.quick)],
                 "speed": [f"n={args.n} reps={args.reps}", f"gpt2-xl {len(gpt2_xl_shapes())} tensors"],
                 "sanitize": ["small AdamW steps, quantize, dequantize"]}[args.stage]
