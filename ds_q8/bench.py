@@ -41,6 +41,7 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.optim.layout import Comm, Segment, StateLayout, shared_blocks
+from ds_q8.optim.qstate import codes_key
 
 BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
 _SKIPPED: set = set()  # rows reported as unavailable
@@ -221,9 +222,11 @@ def partition_rows(n: int, count: int, device: str) -> List[dict]:
 
     def on_shared_codes(opt, p):
         opt.step()  # creates the state; then its codes move to the shared buffers
-        for i, c in enumerate(codes, start=1):
-            c.copy_(opt.state[p][f"state{i}"].view(-1))
-            opt.state[p][f"state{i}"] = c.view(opt.state[p][f"state{i}"].shape)
+        entry = opt.state[p]
+        for i, c in enumerate(codes):
+            key = codes_key(i)
+            c.copy_(entry[key].view(-1))
+            entry[key] = c.view(entry[key].shape)
         return opt.step
 
     def flat_opt(cut: bool, sizes: List[int]):

@@ -48,6 +48,8 @@ import torch
 MIN_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 4096
 DEFAULT_BLOCK_SIZE = 2048
+#: parameters smaller than this keep fp32 state by default (the optimizers' ``min_8bit_size``)
+DEFAULT_MIN_8BIT_SIZE = 4096
 #: states an optimizer may keep (the kernels' limit as well: csrc/includes/q8_common.h)
 MAX_STATES = 2
 
@@ -83,6 +85,22 @@ def create_dynamic_map(signed: bool = True) -> torch.Tensor:
         assert len(values) == 256, len(values)
         _map_cache[key] = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
     return _map_cache[key].clone()
+
+
+_device_maps: dict = {}
+
+
+def state_map(kind: str, signed: bool, device) -> torch.Tensor:
+    """The map of a state: ``kind`` "dynamic" or "linear", signed or not, one tensor per device.
+
+    The same tensor every time, so that the kernels' lookup tables, which are cached per map
+    tensor, are built once."""
+    key = (kind, bool(signed), str(device))
+    m = _device_maps.get(key)
+    if m is None:
+        base = create_dynamic_map(signed) if kind == "dynamic" else create_linear_map(signed)
+        m = _device_maps[key] = base.to(device)
+    return m
 
 
 def create_linear_map(signed: bool = True) -> torch.Tensor:
@@ -291,6 +309,8 @@ __all__ = [
     "block_absmax",
     "midpoints",
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_MIN_8BIT_SIZE",
+    "state_map",
     "MIN_BLOCK_SIZE",
     "MAX_BLOCK_SIZE",
 ]

@@ -24,6 +24,9 @@ from typing import Dict, Iterable, List, Sequence
 import torch
 
 from . import functional as F
+from .optim.base import Optimizer8bitBlock
+from .optim.layout import Segment, StateLayout, shared_blocks
+from .optim.qstate import QuantizedState, has_storage
 
 def _num_states(optimizer: str) -> int:
     from .registry import OPTIMIZERS
@@ -106,18 +109,16 @@ def rank_segments(sizes: Sequence[int], stage: int, world_size: int, rank: int) 
     return out
 
 
-def segment_state_bytes(param_numel: int, param_start: int, numel: int, num_states: int, eight_bit: bool,
-                        block_size) -> int:
-    """Bytes of the state of ``numel`` elements of one parameter starting at ``param_start``: 8-bit
-    codes plus one fp32 absmax per block they touch (a block cut by a partition edge counts on every
-    rank that holds part of it), or fp32 values."""
-    if numel <= 0:
-        return 0
-    if not eight_bit:
-        return num_states * 4 * numel
-    bs = max(1, param_numel) if block_size is None else block_size
-    blocks = (param_start + numel - 1) // bs - param_start // bs + 1
-    return num_states * (numel + 4 * blocks)
+def rank_layout(sizes: Sequence[int], stage: int, world_size: int, rank: int, eight_bit, block_size) -> StateLayout:
+    """The layout of what ``rank`` holds of one group (:func:`rank_segments`, slices side by side), with
+    ``eight_bit(i)`` saying whether parameter ``i`` keeps 8-bit state: the object whose storage the
+    optimizer will allocate, so the estimate counts what it will hold."""
+    segments, offset = [], 0
+    for i, start, numel in rank_segments(sizes, stage, world_size, rank):
+        segments.append(Segment(offset, numel, i, start, int(sizes[i]), bool(eight_bit(i))))
+        offset += numel
+    cut = shared_blocks(segments, block_size)
+    return StateLayout((offset,), segments, block_size, slots={b: j for j, b in enumerate(cut)}, num_slots=len(cut))
 
 
 def _check_layout_args(stage, world_size) -> None:
@@ -128,7 +129,8 @@ def _check_layout_args(stage, world_size) -> None:
 
 
 def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size: int, optimizer: str = "Adam8bitBlock",
-                         bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096,
+                         bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE,
+                         min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE,
                          group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000,
                          rank: int = None, param_bits: Sequence[Sequence[int]] = None) -> int:
     """Predicted optimizer-state bytes on one rank (``rank``; None: the rank that holds the most).
@@ -150,11 +152,12 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
             b = group_bits[gi] if group_bits is not None else bits
             if b not in (8, 32):
                 raise ValueError(f"bits must be 8 or 32, got {b!r}")
-            for i, start, numel in rank_segments(sizes, stage, world_size, r):
-                n = int(sizes[i])
+            def eight_bit(i, gi=gi, b=b):
                 pb = param_bits[gi][i] if param_bits is not None else 8
-                eight = b == 8 and pb == 8 and n >= min_8bit_size
-                total += segment_state_bytes(n, start, numel, k, eight, block_size)
+                return b == 8 and pb == 8 and int(sizes[i]) >= min_8bit_size
+
+            layout = rank_layout(sizes, stage, world_size, r, eight_bit, block_size)
+            total += sum(QuantizedState.bytes_for(layout, k).values())
         best = max(best, total)
     return best
 
@@ -183,7 +186,14 @@ def measured_state_bytes(obj) -> Dict[str, int]:
     """
     opt = _base_optimizer(obj)
     out = {"total": 0, "codes": 0, "absmax": 0, "fp32": 0}
-    for st in opt.state.values():
+    if isinstance(opt, Optimizer8bitBlock):
+        for p, st in opt.state.items():
+            if has_storage(st):
+                for kind, n in opt.quantized_state(p, create=False).nbytes().items():
+                    out[kind] += n
+                    out["total"] += n
+        return out
+    for st in opt.state.values():  # another optimizer (a 32-bit baseline): every state tensor
         for key, v in st.items():
             if not torch.is_tensor(v) or key == "step":
                 continue
@@ -211,7 +221,7 @@ MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_st
 
 
 def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size: int = F.DEFAULT_BLOCK_SIZE,
-                         min_8bit_size: int = 4096, group_bits: Sequence[int] = None) -> Dict[str, int]:
+                         min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE, group_bits: Sequence[int] = None) -> Dict[str, int]:
     """Bytes of a rung of :data:`LADDER` at ZeRO-2 on one rank, part by part.
 
     * ``params``: the bf16 parameters the model computes with (2 bytes each);
@@ -273,7 +283,8 @@ def measure_model_states(engine, run_step) -> Dict[str, int]:
                 optimizer_states=states)
 
 
-def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096) -> List[dict]:
+def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE,
+                 min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE) -> List[dict]:
     """Every rung's predicted bytes, in total and per parameter."""
     n = sum(sum(g) for g in groups)
     rows = []
@@ -334,7 +345,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--optimizer", default="Adam8bitBlock")
     ap.add_argument("--block-size", type=int, default=F.DEFAULT_BLOCK_SIZE)
-    ap.add_argument("--min-8bit-size", type=int, default=4096)
+    ap.add_argument("--min-8bit-size", type=int, default=F.DEFAULT_MIN_8BIT_SIZE)
     ap.add_argument("--embeddings-32bit", action="store_true",
                     help="keep the embedding group in 32-bit (as ds_q8.param_groups does)")
     ap.add_argument("--ladder", action="store_true",

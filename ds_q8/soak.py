@@ -50,18 +50,16 @@ def drift(a: nn.Module, oa, b: nn.Module, ob) -> float:
 
 
 def kernel_available(model, opt) -> bool:
-    """Whether ds_q8.ops takes the 8-bit step for this optimizer (probed on a throwaway copy)."""
-    from . import ops
+    """Whether the fused kernels take the 8-bit step for this optimizer (probed on a throwaway copy)."""
+    from .optim import step as S
 
     p = next(q for q in model.parameters() if q.numel() >= opt.param_groups[0]["min_8bit_size"])
     probe = nn.Parameter(p.detach().clone())
     probe_opt = Adam8bitBlock([probe], block_size=256, min_8bit_size=1024)
-    state: dict = {}
     group = probe_opt.param_groups[0]
-    probe_opt._init_state(probe, group, state)
-    codes, absmax = (state["state1"], state["state2"]), (state["absmax1"], state["absmax2"])
-    return bool(ops.fused_step(probe_opt, probe, torch.zeros_like(probe), codes, absmax, group,
-                               probe_opt._hyper(group, 1)))
+    qs = probe_opt.quantized_state(probe, group)
+    item = S.Item8(probe, torch.zeros_like(probe), tuple(qs.codes()), tuple(qs.absmax()), None)
+    return not S.fused_step_many(probe_opt.rule, [item], group, probe_opt._hyper(group, 1))
 
 
 def run(steps: int, warmup: int, every: int, width: int, batch: int, seed: int, log=print) -> dict:

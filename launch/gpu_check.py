@@ -169,7 +169,7 @@ def correctness(report: Report, quick: bool) -> None:
     def adamw_args(bs):
         opt = ds_q8.AdamW8bitBlock([torch.nn.Parameter(torch.zeros(1, device=DEVICE))], block_size=bs, lr=1e-2)
         maps = opt._maps(opt.param_groups[0], torch.device(DEVICE))
-        return maps, [ops._lookup(m, module) for m in maps], dict(opt._hyper(opt.param_groups[0], 3))
+        return maps, [ops.lookup_table(m, module) for m in maps], dict(opt._hyper(opt.param_groups[0], 3))
 
     def flat(params, states, absmax):
         return list(params) + [t for s in states for t in s] + [t for a in absmax for t in a]
@@ -195,8 +195,8 @@ def correctness(report: Report, quick: bool) -> None:
                     p, g, s, a = lists(sizes_for(bs), pd, bs, offset)
                     q, h = [x.clone() for x in p], [x.clone() for x in g]
                     t, b = [[c.clone() for c in st] for st in s], [[c.clone() for c in st] for st in a]
-                    ops._call(module, "step_many", p[0], "adamw", p, g, s, a, maps, lookups, bs, hyper, [], [])
-                    ops._call(module, "step_many", q[0], "adamw", q, h, t, b, maps, lookups, bs, hyper, [], [])
+                    ops.call(module, "step_many", p[0], "adamw", p, g, s, a, maps, lookups, bs, hyper, [], [])
+                    ops.call(module, "step_many", q[0], "adamw", q, h, t, b, maps, lookups, bs, hyper, [], [])
                     for x, y in zip(flat(p, s, a), flat(q, t, b)):
                         same(x, y, f"offset {offset}")
                 return "views 1-3 elements in, against aligned copies"
@@ -362,11 +362,11 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -
         group = opt.param_groups[0]
         p = group["params"][0]
         maps = opt._maps(group, p.device)
-        lookups = [ops._lookup(m, module) for m in maps]
+        lookups = [ops.lookup_table(m, module) for m in maps]
         hyper = dict(opt._hyper(group, 2))
         codes = [torch.full((n,), 127, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
         absmax = [torch.full((-(-n // bs),), 1e-3, device=DEVICE) for _ in range(2)]
-        return lambda: ops._call(module, "step_many", p, "adamw", [p.data], [grad], [codes], [absmax], maps, lookups,
+        return lambda: ops.call(module, "step_many", p, "adamw", [p.data], [grad], [codes], [absmax], maps, lookups,
                                  bs, hyper, [], [])
 
     def against_peers(label: str, make_params: Callable[[], list], params: int, nonfinite_off: bool = False):

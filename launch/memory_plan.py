@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List
 
+from ds_q8.functional import DEFAULT_BLOCK_SIZE
 from ds_q8.memory import tensor_state_bytes
 
 GB = 1e9
 BF16_WEIGHT_AND_GRAD = 2 + 2
 
 
-def optimizer_bytes_per_param(optim_bits: int, block_size: int = 2048) -> float:
+def optimizer_bytes_per_param(optim_bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """K: fp32 master copy plus both Adam moments, per parameter (moments as ds_q8.memory counts them)."""
     if optim_bits not in (8, 32):
         raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
@@ -30,7 +31,7 @@ def optimizer_bytes_per_param(optim_bits: int, block_size: int = 2048) -> float:
 
 
 def model_state_bytes(n_params: int, world_size: int, optim_bits: int, n_params_32bit: int = 0,
-                      block_size: int = 2048) -> float:
+                      block_size: int = DEFAULT_BLOCK_SIZE) -> float:
     """Bytes of weights, gradients and optimizer state on one rank under ZeRO-2 with bf16."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -42,7 +43,7 @@ def model_state_bytes(n_params: int, world_size: int, optim_bits: int, n_params_
     return n_params * BF16_WEIGHT_AND_GRAD + sharded / world_size
 
 
-def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size: int = 2048) -> List[Dict]:
+def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size: int = DEFAULT_BLOCK_SIZE) -> List[Dict]:
     rows = []
     for n in world_sizes:
         b32 = model_state_bytes(n_params, n, 32)
@@ -74,7 +75,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2-xl", choices=sorted(SIZES))
     ap.add_argument("--world_sizes", default="1,8,64", help="comma-separated data-parallel sizes")
-    ap.add_argument("--block_size", type=int, default=2048, help="quantization block size of the 8-bit state")
+    ap.add_argument("--block_size", type=int, default=DEFAULT_BLOCK_SIZE, help="quantization block size of the 8-bit state")
     args = ap.parse_args(argv)
     try:
         world_sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -36,7 +36,7 @@ def _adamw_lists(cuda_op, sizes, dtype=torch.float32, block_size=256, seed=0, of
                                min_8bit_size=0, lr=1e-2)
     group = opt.param_groups[0]
     maps = opt._maps(group, torch.device("cuda"))
-    lookups = [ops._lookup(m, cuda_op) for m in maps]
+    lookups = [ops.lookup_table(m, cuda_op) for m in maps]
     states, absmax = [], []
     for p in params:
         nb = -(-p.numel() // block_size)

@@ -20,7 +20,7 @@ import torch
 import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
-from ds_q8.optim.base import get_map
+
 
 import sim_op
 from optimizer_cases import kernel_cases
@@ -274,7 +274,7 @@ def test_telemetry_sums_match_the_cpu_op(sim):
 def test_quantize_and_dequantize(sim, dtype, block_size):
     gen = torch.Generator().manual_seed(block_size)
     for signed in (True, False):
-        code = get_map("dynamic", signed, torch.device("cpu"))
+        code = F.state_map("dynamic", signed, torch.device("cpu"))
         lookup = sim.build_lookup(code)
         for n in sizes_of(block_size):
             x = torch.randn(n, generator=gen).to(dtype) * 3
@@ -288,7 +288,7 @@ def test_quantize_and_dequantize(sim, dtype, block_size):
 
 
 def test_quantize_misaligned_views(sim):
-    code = get_map("dynamic", True, torch.device("cpu"))
+    code = F.state_map("dynamic", True, torch.device("cpu"))
     lookup = sim.build_lookup(code)
     base = torch.randn(3000)
     for offset in (1, 2, 3):

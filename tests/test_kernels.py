@@ -16,8 +16,9 @@ import torch
 import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
+from ds_q8.optim import step as S
 from ds_q8.op_builder import Q8CPUBuilder
-from ds_q8.optim.base import get_map
+
 
 from optimizer_cases import kernel_cases, reference_step  # noqa: F401 (reference_step: imported from here too)
 
@@ -192,7 +193,7 @@ def test_step_keeps_small_second_moments_positive(isa, rule, n, block_size):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["dynamic", "linear"])
 def test_quantize_keeps_positive_values_off_code_zero(cpu_op, isa, kind):
-    code = get_map(kind, False, "cpu")
+    code = F.state_map(kind, False, "cpu")
     tiny = torch.cat([torch.tensor([1e-45, 1e-40, 1.2e-38]), torch.logspace(-37, -6.5, 123)])
     # whole blocks of 64 (the segment search of AVX-512) and a last block of 57 (the lookup table)
     body = torch.cat([tiny, torch.zeros(1), -torch.zeros(1)])
@@ -228,13 +229,13 @@ def test_limits_are_shared_with_python(cpu_op):
 def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     """The optimizers really reach the compiled step (not the reference) for 8-bit CPU state."""
     calls = []
-    real = ops._call
+    real = ops.call
 
     def spy(module, name, *args, **kw):
         calls.append(name)
         return real(module, name, *args, **kw)
 
-    monkeypatch.setattr(ops, "_call", spy)
+    monkeypatch.setattr(ops, "call", spy)
     cls, kw = RULES[rule]
     p = torch.nn.Parameter(torch.randn(5000))
     opt = cls([p], **kw)
@@ -287,7 +288,7 @@ def special_values(code):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind,signed", [("dynamic", True), ("dynamic", False), ("linear", True), ("linear", False)])
 def test_lookup_exact_on_midpoints(cpu_op, isa, kind, signed):
-    code = get_map(kind, signed, "cpu")
+    code = F.state_map(kind, signed, "cpu")
     y = special_values(code)
     # blocks of 64 whose absmax is exactly 1, so the scaled value is the value itself
     nb = (y.numel() + 62) // 63
@@ -439,7 +440,7 @@ def test_unknown_rule_falls_back_with_one_warning(cpu_op, monkeypatch):
 
 def test_map_without_lookup_table_falls_back(cpu_op, monkeypatch):
     dense = torch.linspace(0.5, 0.51, 256)  # many midpoints per table bucket
-    monkeypatch.setattr(ds_q8.Momentum8bitBlock, "_maps", lambda self, group, device: [dense])
+    monkeypatch.setattr(S, "maps_of", lambda rule, group, device: [dense])
     monkeypatch.setattr(ops, "_warned", set())
     p = torch.nn.Parameter(torch.randn(5000))
     opt = ds_q8.Momentum8bitBlock([p])

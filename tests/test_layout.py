@@ -233,8 +233,9 @@ def test_flat_state_dict_roundtrip_and_refusals():
         fresh.load_state_dict(bad)
 
 
-def test_state_dict_from_before_layouts_still_loads():
-    """Old partitions had blocks from the partition start: requantized once into parameter blocks."""
+def test_state_dict_without_layouts_is_refused_and_nothing_changes():
+    """A state_dict of codes without the saved layouts (the format before per-parameter layouts, which
+    no release wrote) is refused with an error that says so; the optimizer keeps its state."""
     got, states, opts, flats, _ = run_sharded(ds_q8.Adam8bitBlock, SIZES, 1, 2, 2, dict(KW, lr=1e-2))
     opt, flat = opts[0], flats[0]
     values = opt.dequantized_state(flat)
@@ -245,15 +246,11 @@ def test_state_dict_from_before_layouts_still_loads():
         old_codes[f"state{i}"], old_codes[f"absmax{i}"] = codes, absmax
     old = {"state": {0: dict(old_codes, step=2)}, "param_groups": opt.state_dict()["param_groups"],
            STATE_DICT_MARKER: {"optimizer": "Adam8bitBlock"}}
-    fresh = ds_q8.Adam8bitBlock([flat], **dict(KW, lr=1e-2))
-    fresh.register_layout(flat, opt._layouts[flat])
-    with pytest.warns(RuntimeWarning, match="requantized once"):
-        fresh.load_state_dict(old)
-    back = fresh.dequantized_state(flat)
-    for name in values:
-        scale = float(values[name].abs().max())
-        assert float((back[name] - values[name]).abs().max()) <= 0.02 * scale
-    assert int(fresh.state[flat]["step"]) == 2
+    before = copy.deepcopy(opt.state[flat])
+    with pytest.raises(ValueError, match="no 'ds_q8' marker of format 2"):
+        opt.load_state_dict(old)
+    for k, v in before.items():
+        assert torch.equal(torch.as_tensor(v), torch.as_tensor(opt.state[flat][k]))
 
 
 def test_rmsprop_momentum_travels_through_export():

@@ -10,6 +10,7 @@ import torch
 import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
+from ds_q8.optim import step as S
 from ds_q8.op_builder import Q8CPUBuilder
 
 from test_kernels import (  # noqa: F401 (isa is a fixture)
@@ -68,13 +69,13 @@ def test_many_params_bit_identical_to_reference(isa, rule):
 
 def spy_calls(monkeypatch):
     calls = []
-    real = ops._call
+    real = ops.call
 
     def spy(module, name, *args, **kw):
         calls.append((name, len(args[2]) if name == "step_many" else 1))  # args: tensor, rule, params
         return real(module, name, *args, **kw)
 
-    monkeypatch.setattr(ops, "_call", spy)
+    monkeypatch.setattr(ops, "call", spy)
     return calls
 
 
@@ -211,14 +212,14 @@ def run_pair_32bit(cls, kw, steps=3):
 @pytest.mark.parametrize("rule", [r for r in RULES if not RULES[r][0].needs_norms])
 def test_32bit_state_fused_step_bit_identical_to_reference(isa, rule, monkeypatch):
     calls = []
-    real = ops.fused_step_fp32_many
+    real = S.fused_step_fp32_many
 
     def spy(opt, items, group, h, **kw):
         rest = real(opt, items, group, h, **kw)
         calls.append(len(items) - len(rest))
         return rest
 
-    monkeypatch.setattr(ops, "fused_step_fp32_many", spy)
+    monkeypatch.setattr(S, "fused_step_fp32_many", spy)
     cls, kw = RULES[rule]
     (pk, ok), (pr, orf) = run_pair_32bit(cls, kw)
     assert sum(calls) > 0  # the kernel really stepped them

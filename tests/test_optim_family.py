@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ds_q8
-from ds_q8.optim import stepping
+from ds_q8.optim import qstate
 
 from optimizer_cases import CASES as ALL_CASES
 
@@ -127,7 +127,7 @@ def test_norm_pass_is_independent_of_chunking(cls, monkeypatch):
         return w.detach().clone(), opt.state[w]["state1"].clone()
 
     whole = go()
-    monkeypatch.setattr(stepping, "REFERENCE_CHUNK", 4096)
+    monkeypatch.setattr(qstate, "CHUNK", 4096)
     chunked = go()
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 

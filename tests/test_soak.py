@@ -7,7 +7,8 @@ from unittest import mock
 
 import pytest
 
-from ds_q8 import ops, soak
+from ds_q8 import soak
+from ds_q8.optim import step as S
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,16 +27,16 @@ def test_soak_command_writes_json_and_passes(tmp_path):
 
 def test_drift_is_detected():
     # a "kernel" that updates differently from the reference must show up as drift
-    real = ops.fused_step_many
+    real = S.fused_step_many
 
     def off_by_a_bit(o, items, gr, h, **kw):
         rest = real(o, items, gr, h, **kw)
-        if ops.group_impl(gr) != "reference":  # the reference copy keeps the real path
+        if S.group_impl(gr) != "reference":  # the reference copy keeps the real path
             for item in items:
                 item[0].data.add_(1e-3)
         return rest
 
-    with mock.patch("ds_q8.ops.fused_step_many", side_effect=off_by_a_bit):
+    with mock.patch("ds_q8.optim.step.fused_step_many", side_effect=off_by_a_bit):
         r = soak.run(steps=4, warmup=1, every=2, width=32, batch=4, seed=0, log=lambda _: None)
     assert r["kernel"] and r["max_abs_diff"] > 0
 

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..optim.layout import StateLayout
+from ..optim.qstate import QuantizedState, has_storage
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, universal_names_for
 
 _OPTIM_SUFFIX = "_optim_states.pt"
@@ -75,10 +75,10 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     marker = _marker(inner, path)
     cls = _optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
-    names = universal_names_for(marker.get("state_names", cls.state_names))
+    names = [n for n in universal_names_for(marker.get("state_names", cls.state_names)) if n is not None]
     for st in out["state"].values():
-        for missing in UNIVERSAL_STATE_NAMES[len(names):]:
-            if st:
+        for missing in UNIVERSAL_STATE_NAMES:
+            if st and missing not in names:
                 st[missing] = torch.zeros_like(st[names[0]])
     out[STATE_DICT_MARKER] = dict(marker)
     return out
@@ -114,37 +114,32 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
     """Add one rank's segments (from its saved layouts) to ``into``, keyed by parameter name."""
     marker = _marker(inner, path)
     if marker.get("format") != STATE_FORMAT:
-        return  # written before parameter-aligned blocks: only the fp32 route exists
-    k = len(marker["state_names"])
+        raise ValueError(f"{path}: the optimizer state has no layout marker of format {STATE_FORMAT}; it was not "
+                         "written by this version of ds_q8")
+    signed = marker["state_signed"]
+    k = len(signed)
     group_of = {pid: g for g in inner["param_groups"] for pid in g["params"]}
     for pid, st in inner["state"].items():
         desc = marker["layouts"].get(pid, marker["layouts"].get(str(pid)))
-        if not st or desc is None or "state1" not in st:
+        if not st or desc is None or not has_storage(st):
             continue
         g = group_of[pid]
-        layout = StateLayout.from_description(desc)
-        for si, seg in enumerate(layout.segments):
-            if seg.numel == 0:
-                continue
+        qs = QuantizedState.of_saved(st, desc, signed, g["quantization"])
+        for si, seg, first, codes, absmax, values in qs.segment_params():
             if not seg.name:
                 raise ValueError(f"{path}: a parameter slice has no name; the universal route needs DeepSpeed's "
                                  "parameter names (engine.param_names)")
-            first, nb, bs = layout.segment_blocks(si)
             entry = into.get(seg.name)
             if entry is None:
-                total_blocks = (seg.param_numel + bs - 1) // bs
+                _, _, bs = qs.layout.segment_blocks(si)
                 entry = into[seg.name] = ParamCodes(seg.name, seg.param_numel, g["block_size"], g["quantization"],
-                                                    k, total_blocks, seg.eight_bit)
-            c0 = layout.segment_codes[si]
-            if seg.eight_bit:
-                a0 = layout.segment_absmax[si]
-                for i in range(k):
-                    entry.codes[i][seg.param_start:seg.param_end] = st[f"state{i + 1}"].reshape(-1)[c0:c0 + seg.numel]
-                    entry.absmax[i][first:first + nb] = st[f"absmax{i + 1}"][a0:a0 + nb]
-            else:
-                for i in range(k):
-                    entry.values[i][seg.param_start:seg.param_end] = (
-                        st[f"state{i + 1}_fp32"].reshape(-1)[c0:c0 + seg.numel])
+                                                    k, (seg.param_numel + bs - 1) // bs, seg.eight_bit)
+            for i in range(k):
+                if seg.eight_bit:
+                    entry.codes[i][seg.param_start:seg.param_end] = codes[i]
+                    entry.absmax[i][first:first + absmax[i].numel()] = absmax[i]
+                else:
+                    entry.values[i][seg.param_start:seg.param_end] = values[i]
             entry.covered[seg.param_start:seg.param_end] = True
 
 
@@ -293,8 +288,6 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
             opt.adopt_tensor_collectively(tensor)
         else:
             opt._adopt_fp32_state(tensor, opt.state[tensor])
-    for layout in opt._layouts.values():
-        layout.forget_views()
 
 
 def install() -> bool:

@@ -1,58 +1,46 @@
-"""One base class for every ds_q8 optimizer.
+"""The base class of every ds_q8 optimizer: torch's ``Optimizer`` surface over quantized state.
 
-It owns what all of them share: argument checks (``checks.py``), each optimized tensor's state
-layout (``layout.py``: which parameters it holds, 8-bit or fp32 state per parameter, blocks aligned
-to parameter starts), lazy state creation, the step (``stepping.py``: fused kernels, the
-reference, and agreement on blocks that ZeRO partitions cut) and state I/O (``state_io.py``).
+A concrete optimizer supplies its hyperparameters (constructor defaults and ``_check_group``), its
+step scalars (``_hyper``: python floats computed once per group and step) and which update rule it
+runs (``rule``, from ``rules.py``). Everything else is shared and lives in one place each:
 
-A concrete optimizer supplies only
-  * ``state_names``: torch's names of its states (``("exp_avg", "exp_avg_sq")``),
-  * ``state_signed``: which map each state uses (signed for moments that change sign),
-  * ``update_rule``: the name under which the fused kernels know its update,
-  * ``_check_group``: validation of its own hyperparameters,
-  * ``_hyper``: the step's scalars (python floats), computed once per group and step,
-  * ``_update_fp32``: the update on float32 tensors, written as one IEEE operation per line so
-    that a compiled kernel can reproduce it exactly;
-  * and, for rules scaled by a whole-parameter norm (LAMB, LARS), ``needs_norms = True`` with
-    ``_norm_terms``/``_norm_hyper``: a read-only first pass whose per-parameter norms (summed
-    over the parameter's segments, and across ranks under ZeRO) become step scalars.
+  * the state of each optimized tensor: ``qstate.py`` (:class:`QuantizedState`, over a
+    :class:`~ds_q8.optim.layout.StateLayout`: which slices of which parameters it holds, 8-bit or
+    fp32 per parameter, blocks aligned to parameter starts);
+  * the step: ``step.py`` (a function of the rule and the tensors' steps, kernels or reference);
+  * saving, loading and converting state: ``state_io.py``;
+  * the options every optimizer takes (:data:`OPTIONS`): written once, here.
 
 ``block_size=None`` in a group means one block (one absmax) per parameter, for ablations.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
+import inspect
 import math
+import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import functional as F
-from .. import ops
 from . import nonfinite as NF
-from .checks import (QUANTIZATIONS, beta_hyper, check_adam_group, check_betas, check_common_group, check_range,
-                     resolve_betas)
+from . import rounding, state_io, telemetry
+from . import step as S
+from .checks import check_common_group, check_optimizer_kwargs
 from .layout import StateLayout
-from .state_io import STATE_DICT_MARKER, UNIVERSAL_STATE_NAMES, StateIO
-from . import rounding, stepping, telemetry
-from .stepping import StepRunner, segment_values, state_views
+from .qstate import QuantizedState, has_storage, is_8bit
+from .rules import Rule
 
 #: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
 OPTIM_BITS_ATTR = "ds_q8_optim_bits"
 
-
-def get_map(kind: str, signed: bool, device) -> torch.Tensor:
-    """The 256-entry map for a quantization kind, cached per device."""
-    key = (kind, signed, str(device))
-    m = _device_maps.get(key)
-    if m is None:
-        base = F.create_dynamic_map(signed) if kind == "dynamic" else F.create_linear_map(signed)
-        m = base.to(device)
-        _device_maps[key] = m
-    return m
-
-
-_device_maps: Dict[tuple, torch.Tensor] = {}
+#: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
+#: the others are each group's)
+OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
+               quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
+               impl="auto", nonfinite="skip")
 
 
 def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> bool:
@@ -64,31 +52,57 @@ def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> 
     return group["optim_bits"] == 8 and n >= group["min_8bit_size"]
 
 
-class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
+def _with_options(init) -> inspect.Signature:
+    """``init``'s signature with ``**options`` spelled out as the keyword options of :data:`OPTIONS`,
+    so that ``inspect.signature``, help() and the check of DeepSpeed's JSON keys see every option."""
+    sig = inspect.signature(init)
+    own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in own}
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in OPTIONS.items()
+             if k not in names]
+    return sig.replace(parameters=own + extra)
+
+
+class Optimizer8bitBlock(torch.optim.Optimizer):
+    #: the update rule (``rules.py``); a subclass may instead set the three names below, which
+    #: otherwise mirror the rule: the kernels' name for it, the states' names and their maps
+    rule: Rule = Rule("", (), (), None)
+    update_rule: str = ""
     state_names: tuple = ()
     state_signed: tuple = ()
-    update_rule: str = ""
-    #: Rules whose step is scaled by a whole-parameter quantity (the LAMB/LARS trust ratio) set this.
     needs_norms: bool = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__
+        if "rule" not in own and any(k in own for k in ("update_rule", "state_names", "state_signed")):
+            cls.rule = dataclasses.replace(cls.rule, name=cls.update_rule, state_names=tuple(cls.state_names),
+                                           state_signed=tuple(cls.state_signed))
+        cls.update_rule, cls.state_names, cls.state_signed = cls.rule.name, cls.rule.state_names, cls.rule.state_signed
+        cls.needs_norms = cls.rule.needs_norms
+        init = own.get("__init__")
+        if init is not None and any(p.kind == inspect.Parameter.VAR_KEYWORD
+                                    for p in inspect.signature(init).parameters.values()):
+            init.__signature__ = _with_options(init)
 
     def __new__(cls, *args, **kwargs):
         # Runs before __init__ binds the arguments, so an unknown key (typically from a DeepSpeed
         # JSON "params" section) gets an error that lists the valid keys.
-        from ..integration.params import check_optimizer_kwargs
-
         check_optimizer_kwargs(cls, kwargs)
         return super().__new__(cls)
 
-    def __init__(self, params, defaults: dict, nonfinite: str = "skip"):
-        common = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                      stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto")
-        common.update(defaults)
-        self.nonfinite = NF.check_mode(nonfinite)
+    def __init__(self, params, defaults: dict, **options):
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"{type(self).__name__} got unknown option(s) {unknown}; valid: {', '.join(OPTIONS)}")
+        options = dict(OPTIONS, **options)
+        self.nonfinite = NF.check_mode(options.pop("nonfinite"))
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
         self.skipped_steps = 0
         # optimized tensor -> StateLayout; ZeRO integration registers its flat partitions here,
         # ordinary parameters get a one-segment layout on first use
         self._layouts: Dict[torch.Tensor, StateLayout] = {}
+        self._qstates: Dict[torch.Tensor, QuantizedState] = {}
         # ids of the tensors the optimizer was given: a tensor it steps that is not among them and has
         # no registered layout came from an unknown flattening wrapper
         self._given_ids: set = set()
@@ -100,17 +114,24 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         self.grad_norm_source: Optional[Callable[[], object]] = None
         self._pending_skips = NF.PendingSkips()
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
-        super().__init__(params, common)
+        super().__init__(params, dict(options, **defaults))
+
+    def _use_rule(self, rule: Rule) -> None:
+        """Give this instance its own rule (an optimizer whose states depend on its arguments)."""
+        self.rule = rule
+        self.update_rule, self.state_names, self.state_signed = rule.name, rule.state_names, rule.state_signed
+        self.needs_norms = rule.needs_norms
 
     # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
     def __getstate__(self):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
-        state.pop("_layouts", None)  # rebuilt on use (a ZeRO layout holds a process group)
-        state.pop("grad_norm_source", None)  # belongs to the engine that set it
-        state.pop("_pending_skips", None)  # device events
-        state.pop("_telemetry", None)  # device sums of one run
+        for transient in ("_layouts", "_qstates",  # rebuilt on use (a ZeRO layout holds a process group)
+                          "grad_norm_source",  # belongs to the engine that set it
+                          "_pending_skips",  # device events
+                          "_telemetry"):  # device sums of one run
+            state.pop(transient, None)
         return state
 
     def __setstate__(self, state):
@@ -118,17 +139,14 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         # torch's load_state_dict also comes through here with only state and param_groups
         self.nonfinite = state.pop("nonfinite", getattr(self, "nonfinite", "skip"))
         self.skipped_steps = state.pop("skipped_steps", getattr(self, "skipped_steps", 0))
-        if not hasattr(self, "_layouts"):
-            self._layouts = {}
-        if not hasattr(self, "_given_ids"):
-            self._given_ids = set()
-        self.nonfinite_checks = getattr(self, "nonfinite_checks", collections.Counter())
-        self.grad_norm_source = getattr(self, "grad_norm_source", None)
-        self._pending_skips = getattr(self, "_pending_skips", NF.PendingSkips())
-        self._telemetry = getattr(self, "_telemetry", None)
+        for name, make in (("_layouts", dict), ("_qstates", dict), ("_given_ids", set),
+                           ("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None),
+                           ("_pending_skips", NF.PendingSkips), ("_telemetry", lambda: None)):
+            if not hasattr(self, name):
+                setattr(self, name, make())
         super().__setstate__(state)
 
-    # ------------------------------------------------------------------ checks
+    # ------------------------------------------------------------------ hyperparameters
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -143,15 +161,32 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
     def _check_group(self, group: dict) -> None:
         """Validate optimizer-specific hyperparameters (override)."""
 
-    # ------------------------------------------------------------------ layouts
-    def _uses_8bit(self, p: torch.Tensor, group: dict) -> bool:
-        return uses_8bit(p, group)
+    def _hyper(self, group: dict, step: int) -> Dict[str, float]:
+        """The step scalars of ``group`` at step number ``step`` (override)."""
+        raise NotImplementedError
 
+    def _initial_state(self, group: dict) -> Optional[tuple]:
+        """Each state's starting value (None: all zero; override)."""
+        return None
+
+    def stochastic_params(self, group: dict, p: torch.Tensor) -> bool:
+        """Whether ``p`` is written with stochastic rounding (on by default for 16-bit tensors)."""
+        return S.stochastic_params(group, p.dtype)
+
+    def stochastic_states(self, group: dict) -> tuple:
+        """Which states are requantized with stochastic rounding (see ``step.stochastic_states``)."""
+        return S.stochastic_states(group, self.state_signed)
+
+    def _maps(self, group: dict, device) -> List[torch.Tensor]:
+        return S.maps_of(self.rule, group, device)
+
+    # ------------------------------------------------------------------ layouts
     def register_layout(self, tensor: torch.Tensor, layout: StateLayout) -> None:
         """Say which parameters ``tensor`` holds (ZeRO integration calls this for its partitions)."""
         if layout.numel != tensor.numel():
             raise ValueError(f"layout of {layout.numel} elements for a tensor of {tensor.numel()}")
         self._layouts[tensor] = layout
+        self._qstates.pop(tensor, None)
 
     def layout_of(self, p: torch.Tensor, group: Optional[dict] = None) -> StateLayout:
         """The state layout of an optimized tensor (an ordinary parameter: one segment, all of it)."""
@@ -168,7 +203,7 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                     "deepspeed.initialize); with another wrapper use an element-wise optimizer such as "
                     "AdamW8bitBlock or Lion8bitBlock.")
             gi, pi, count = self._position(p, group)
-            layout = StateLayout.for_parameter(p, self._uses_8bit(p, group), group["block_size"], param_index=pi,
+            layout = StateLayout.for_parameter(p, uses_8bit(p, group), group["block_size"], param_index=pi,
                                                group_index=gi, num_params=count)
             self._layouts[p] = layout
         return layout
@@ -183,24 +218,96 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         pi = next((i for i, q in enumerate(trainable) if q is p), 0)
         return gi, pi, max(1, len(trainable))
 
-    def stochastic_params(self, group: dict, p: torch.Tensor) -> bool:
-        """Whether ``p`` is written with stochastic rounding (on by default for 16-bit tensors)."""
-        if p.dtype not in (torch.bfloat16, torch.float16):
-            return False
-        choice = group.get("stochastic_rounding")
-        return True if choice is None else bool(choice)
+    def _find_group(self, p: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(q is p for q in group["params"]):
+                return group
+        raise KeyError("parameter is not managed by this optimizer")
 
-    def stochastic_states(self, group: dict) -> tuple:
-        """Which states are requantized with stochastic rounding (one bool per state): the unsigned ones,
-        second moments and Adagrad's sum, unless the group asks for ``state_rounding="nearest"``.
+    def _state_group(self, p: torch.Tensor) -> dict:
+        """The group of an optimized tensor, also when a wrapper (ZeRO-3) took it out of the groups."""
+        layout = self._layouts.get(p)
+        return layout.group if layout is not None and layout.group is not None else self._find_group(p)
 
-        Rounded to nearest, an exponential average that moves by less than half a code per step (a
-        second moment with beta2=0.999 moves by 0.1%) loses those moves: it lags its fp32 value, by half
-        on a GPT-2 attention matrix after 300 steps, and the steps grow by as much as 1.6x.
-        Rounded stochastically it is right on average."""
-        if group.get("state_rounding", "stochastic") != "stochastic":
-            return (False,) * len(self.state_signed)
-        return tuple(not signed for signed in self.state_signed)
+    # ------------------------------------------------------------------ state
+    def quantized_state(self, p: torch.Tensor, group: Optional[dict] = None, create: bool = True) -> QuantizedState:
+        """The :class:`QuantizedState` of an optimized tensor, its storage created on first use
+        (``create=False``: as it is, possibly empty)."""
+        entry = self.state[p]
+        qs = self._qstates.get(p)
+        if qs is None or qs.entry is not entry:
+            group = self._state_group(p) if group is None else group
+            qs = self._qstates[p] = QuantizedState(entry, self.layout_of(p, group), self.state_signed,
+                                                   group["quantization"])
+        if create and "step" not in entry:
+            return self._create_state(p, group, entry)
+        return qs
+
+    def _create_state(self, p: torch.Tensor, group: Optional[dict] = None, entry: Optional[dict] = None):
+        """Fresh state for ``p`` (its step 0), in ``entry`` or a new entry of ``self.state``."""
+        group = self._state_group(p) if group is None else group
+        entry = {} if entry is None else entry
+        qs = QuantizedState.create(entry, self.layout_of(p, group), self.state_signed, group["quantization"],
+                                   p.device, self._initial_state(group))
+        self.state[p] = entry
+        self._qstates[p] = qs
+        return qs
+
+    @staticmethod
+    def is_8bit_state(state: dict) -> bool:
+        return is_8bit(state)
+
+    def check_state_name(self, name) -> None:
+        """Raise ValueError unless ``name`` is one of this optimizer's state names."""
+        if name not in self.state_names:
+            raise ValueError(f"{type(self).__name__} has no optimizer state {name!r}; its states are "
+                             f"{', '.join(repr(n) for n in self.state_names)}")
+
+    def dequantized_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """fp32 copies of ``p``'s state under torch's names (empty before the first step).
+
+        For a ZeRO partition the copies are shaped like the partition; padding reads as zero."""
+        if not has_storage(self.state.get(p, {})):
+            return {}
+        qs = self.quantized_state(p)
+        return {name: v.view(qs.layout.shape) for name, v in zip(self.state_names, qs.read(p.device))}
+
+    def load_dequantized_state(self, p: torch.Tensor, values: Dict[str, torch.Tensor], step,
+                               shared_absmax: Optional[Dict[int, List[float]]] = None) -> None:
+        """Set ``p``'s state from fp32 tensors named as in :meth:`dequantized_state` (requantizing).
+
+        On a sharded ZeRO partition this takes part in an all-reduce (the maxima of blocks cut by
+        partition edges), unless ``shared_absmax`` gives them (slot -> one value per state): call it
+        on every rank then."""
+        layout = self.layout_of(p, self._state_group(p))
+        missing = [n for n in self.state_names if n not in values]
+        if missing:
+            raise KeyError(f"state for {self.__class__.__name__} needs {list(self.state_names)}, missing {missing}")
+        flat = []
+        for name in self.state_names:
+            v = values[name].detach().to(device=p.device, dtype=torch.float32).reshape(-1)
+            if v.numel() != layout.numel:
+                raise ValueError(f"state '{name}' has {v.numel()} elements, the tensor has {layout.numel}")
+            if not bool(torch.isfinite(v).all()):
+                raise ValueError(f"state '{name}' contains NaN or Inf")
+            flat.append(v)
+        qs = self._create_state(p)
+        qs.entry["step"] = torch.tensor(float(int(step.item()) if torch.is_tensor(step) else int(step)))
+        qs.write(flat, shared_absmax)
+
+    def segment_state(self, tensor: torch.Tensor, si: int, name: str) -> torch.Tensor:
+        """fp32 values of state ``name`` over segment ``si`` of an optimized tensor."""
+        self.check_state_name(name)
+        return self.quantized_state(tensor).read_segment(si, self.state_names.index(name))
+
+    def set_segment_state(self, tensor: torch.Tensor, si: int, name: str, param_values: torch.Tensor) -> None:
+        """Set state ``name`` of segment ``si`` from the whole parameter's fp32 values (requantizing;
+        see :meth:`QuantizedState.write_segment`)."""
+        self.check_state_name(name)
+        v = param_values.detach().to(device=tensor.device, dtype=torch.float32).reshape(-1)
+        if not bool(torch.isfinite(v).all()):
+            raise ValueError(f"optimizer state '{name}' must be finite")
+        self.quantized_state(tensor).write_segment(si, self.state_names.index(name), v)
 
     # ------------------------------------------------------------------ telemetry
     def track_quantization(self, every: Optional[int] = 1) -> None:
@@ -213,191 +320,10 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         in total and per parameter (``optim/telemetry.py``). The code fractions need no tracking; the
         error needs :meth:`track_quantization` (None otherwise)."""
         self.settle()
-        return telemetry.report(self, self._telemetry)
-
-    # ------------------------------------------------------------------ state
-    def _init_state(self, p: torch.Tensor, group: dict, state: dict) -> None:
-        layout = self.layout_of(p, group)
-        codes_shape, fp32_shape = layout.state_shapes()
-        state["step"] = torch.tensor(0.0)
-        for i, signed in enumerate(self.state_signed, start=1):
-            if layout.has8:
-                zero_index = int(torch.argmin(get_map(group["quantization"], signed, "cpu").abs()))
-                state[f"state{i}"] = torch.full(codes_shape, zero_index, dtype=torch.uint8, device=p.device)
-                state[f"absmax{i}"] = torch.zeros(layout.num_blocks, dtype=torch.float32, device=p.device)
-            if layout.has32:
-                state[f"state{i}_fp32"] = torch.zeros(fp32_shape, dtype=torch.float32, device=p.device)
-
-    @staticmethod
-    def is_8bit_state(state: dict) -> bool:
-        s = state.get("state1")
-        return s is not None and s.dtype == torch.uint8
-
-    def _maps(self, group: dict, device) -> List[torch.Tensor]:
-        return [get_map(group["quantization"], s, device) for s in self.state_signed]
-
-    def _find_group(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise KeyError("parameter is not managed by this optimizer")
-
-    def _state_group(self, p: torch.Tensor) -> dict:
-        """The group of an optimized tensor, also when a wrapper (ZeRO-3) took it out of the groups."""
-        layout = self._layouts.get(p)
-        return layout.group if layout is not None and layout.group is not None else self._find_group(p)
-
-    def dequantized_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """fp32 copies of ``p``'s state under torch's names (empty before the first step).
-
-        For a ZeRO partition the copies are shaped like the partition; padding reads as zero.
-        """
-        state = self.state.get(p, {})
-        if "step" not in state or not any(k.startswith("state") for k in state):
-            return {}
-        group = self._state_group(p)
-        layout = self.layout_of(p, group)
-        k = len(self.state_signed)
-        out = [torch.zeros(layout.numel, dtype=torch.float32, device=p.device) for _ in range(k)]
-        maps = self._maps(group, p.device)
-        for si in range(len(layout.segments)):
-            for s, e, values in segment_values(layout, state, si, maps, k):
-                for o, v in zip(out, values):
-                    o[s:e] = v
-        return {name: o.view(layout.shape) for name, o in zip(self.state_names, out)}
-
-    def load_dequantized_state(self, p: torch.Tensor, values: Dict[str, torch.Tensor], step,
-                               shared_absmax: Optional[Dict[int, List[float]]] = None) -> None:
-        """Set ``p``'s state from fp32 tensors named as in :meth:`dequantized_state` (requantizing).
-
-        On a sharded ZeRO partition this takes part in an all-reduce (the maxima of blocks cut by
-        partition edges), unless ``shared_absmax`` gives them (slot -> one value per state): call it
-        on every rank then.
-        """
-        group = self._state_group(p)
-        layout = self.layout_of(p, group)
-        missing = [n for n in self.state_names if n not in values]
-        if missing:
-            raise KeyError(f"state for {self.__class__.__name__} needs {list(self.state_names)}, missing {missing}")
-        flat = []
-        for name in self.state_names:
-            v = values[name].detach().to(device=p.device, dtype=torch.float32).reshape(-1)
-            if v.numel() != layout.numel:
-                raise ValueError(f"state '{name}' has {v.numel()} elements, the tensor has {layout.numel}")
-            if not bool(torch.isfinite(v).all()):
-                raise ValueError(f"state '{name}' contains NaN or Inf")
-            flat.append(v)
-        fresh: dict = {}
-        self._init_state(p, group, fresh)
-        fresh["step"] = torch.tensor(float(int(step.item()) if torch.is_tensor(step) else int(step)))
-        self._quantize_into(fresh, layout, group, flat, shared_absmax)
-        layout.forget_views()
-        self.state[p] = fresh
-
-    # ------------------------------------------------------------------ one parameter's state
-    def check_state_name(self, name) -> None:
-        """Raise ValueError unless ``name`` is one of this optimizer's state names."""
-        if name not in self.state_names:
-            raise ValueError(f"{type(self).__name__} has no optimizer state {name!r}; its states are "
-                             f"{', '.join(repr(n) for n in self.state_names)}")
-
-    def _state_for(self, tensor: torch.Tensor):
-        group = self._state_group(tensor)
-        state = self.state[tensor]
-        if "step" not in state:
-            self._init_state(tensor, group, state)
-        return group, self.layout_of(tensor, group), state
-
-    def segment_state(self, tensor: torch.Tensor, si: int, name: str) -> torch.Tensor:
-        """fp32 values of state ``name`` over segment ``si`` of an optimized tensor."""
-        self.check_state_name(name)
-        group, layout, state = self._state_for(tensor)
-        i = self.state_names.index(name)
-        maps = self._maps(group, tensor.device)
-        parts = [values[i] for _, _, values in segment_values(layout, state, si, maps, len(self.state_signed))]
-        return torch.cat(parts) if parts else torch.zeros(0)
-
-    def set_segment_state(self, tensor: torch.Tensor, si: int, name: str, param_values: torch.Tensor) -> None:
-        """Set state ``name`` of segment ``si`` from the whole parameter's fp32 values (requantizing).
-
-        Blocks cut by partition edges take their absmax from the whole parameter, so every rank that
-        holds part of one writes the same maximum without communicating.
-        """
-        self.check_state_name(name)
-        group, layout, state = self._state_for(tensor)
-        i = self.state_names.index(name)
-        seg = layout.segments[si]
-        v = param_values.detach().to(device=tensor.device, dtype=torch.float32).reshape(-1)
-        if not bool(torch.isfinite(v).all()):
-            raise ValueError(f"optimizer state '{name}' must be finite")
-        local = v[seg.param_start:seg.param_end]
-        if not seg.eight_bit:
-            f32, _ = state_views(state, len(self.state_signed), codes=False)
-            base = layout.segment_codes[si]
-            f32[i][base:base + seg.numel] = local
-            return
-        codes, absmax = state_views(state, len(self.state_signed), codes=True)
-        m = self._maps(group, tensor.device)[i]
-        _, _, bs = layout.segment_blocks(si)
-        for piece in layout.pieces_of(si):
-            x = v[seg.param_start + piece.start - seg.start:seg.param_start + piece.end - seg.start]
-            if piece.slot >= 0:
-                block = (seg.param_start + piece.start - seg.start) // bs
-                am = v[block * bs:min((block + 1) * bs, seg.param_numel)].abs().amax().reshape(1)
-                piece_bs = piece.numel
-            else:
-                am, piece_bs = F.block_absmax(x, bs), bs
-            absmax[i][piece.absmax_start:piece.absmax_start + am.numel()] = am
-            codes[i][piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, piece_bs)
-
-    def _quantize_into(self, state: dict, layout: StateLayout, group: dict, values: List[torch.Tensor],
-                       shared_absmax: Optional[Dict[int, List[float]]] = None) -> None:
-        """Write fp32 ``values`` (flat, tensor-long, one per state) into ``state``'s codes and fp32 parts."""
-        k = len(self.state_signed)
-        if layout.has32:
-            f32, _ = state_views(state, k, codes=False)
-            for piece in layout.pieces32:
-                for f, v in zip(f32, values):
-                    f[piece.codes_start:piece.codes_start + piece.numel] = v[piece.start:piece.end]
-        if not layout.has8 and not layout.sharded:
-            return
-        device = values[0].device if values else "cpu"
-        maps = self._maps(group, device)
-        if layout.has8:
-            codes, absmax = state_views(state, k, codes=True)
-            for piece in layout.pieces8:
-                _, _, bs = layout.segment_blocks(piece.segment)
-                for c, a, m, v in zip(codes, absmax, maps, values):
-                    x = v[piece.start:piece.end]
-                    am = F.block_absmax(x, bs)
-                    a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = am
-                    c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, bs)
-        if not layout.sharded:
-            return
-        if shared_absmax is None:
-            vec = torch.zeros(layout.num_slots * k, dtype=torch.float32, device=device)
-            for piece in layout.shared8:
-                for i, v in enumerate(values):
-                    local = v[piece.start:piece.end].abs().max() if piece.numel else torch.zeros(())
-                    vec[i * layout.num_slots + piece.slot] = local
-            layout.comm.all_reduce_max(vec)
-            agreed = {s: [float(vec[i * layout.num_slots + s]) for i in range(k)] for s in range(layout.num_slots)}
-        else:
-            agreed = shared_absmax
-        for piece in layout.shared8:
-            for i, (c, a, m, v) in enumerate(zip(codes, absmax, maps, values)):
-                am = torch.tensor([agreed[piece.slot][i]], dtype=torch.float32, device=device)
-                a[piece.absmax_start:piece.absmax_start + 1] = am
-                c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(
-                    v[piece.start:piece.end], am, m, piece.numel)
+        states = [(p, self.quantized_state(p, create=False)) for p, st in self.state.items() if is_8bit(st)]
+        return telemetry.report(states, self.state_names, self._telemetry)
 
     # ------------------------------------------------------------------ step
-    def _hyper(self, group: dict, step: int) -> Dict[str, float]:
-        raise NotImplementedError
-
-    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
-        raise NotImplementedError
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -432,32 +358,30 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
                     )
                 NF.report_skip(self)
                 return loss
-        runner = StepRunner(self, skip=flag)
-        counters = []
+        steps, counters = [], []
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
         for group, p in work:
-            layout = self.layout_of(p, group)
-            state = self.state[p]
-            if self._adopt_fp32_state(p, state):
-                state = self.state[p]
-            if "step" not in state:
-                self._init_state(p, group, state)
-            step_t = state["step"]
+            self._adopt_fp32_state(p, self.state[p])
+            qs = self.quantized_state(p, group)
+            step_t = qs.entry["step"]
             if not torch.is_tensor(step_t):  # an int written by a loader
-                step_t = state["step"] = torch.tensor(float(step_t))
+                step_t = qs.entry["step"] = torch.tensor(float(step_t))
             step_t += 1
-            counters.append(state)
+            counters.append(qs.entry)
             count = int(step_t.item())
-            hkey = (id(group), count)
-            h = hypers.get(hkey)
+            h = hypers.get((id(group), count))
             if h is None:
-                h = hypers[hkey] = self._hyper(group, count)
+                h = hypers[(id(group), count)] = self._hyper(group, count)
+            layout = qs.layout
             random = self.stochastic_params(group, p) or (layout.has8 and any(self.stochastic_states(group)))
-            sr = rounding.step_key(group.get("sr_seed", 0), count) if random else None
-            seg_hyper = self._segment_hypers(p, p.grad, state, layout, group, h) if self.needs_norms else None
-            sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, len(self.state_signed), count)
-            runner.add(p, p.grad, state, layout, group, h, seg_hyper, sr, sums)
-        runner.run()
+            sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, len(self.state_signed),
+                                                                                 count)
+            t = S.TensorStep(p, p.grad, qs, group, h, None,
+                             rounding.step_key(group.get("sr_seed", 0), count) if random else None, sums)
+            if self.needs_norms:
+                t = t._replace(segment_hyper=S.segment_hypers(self.rule, t))
+            steps.append(t)
+        S.step(self.rule, steps, skip=flag)
         if flag is not None:
             self._pending_skips.add(flag, counters)
         return loss
@@ -469,127 +393,123 @@ class Optimizer8bitBlock(StateIO, torch.optim.Optimizer):
         if self._pending_skips.entries:
             self._pending_skips.settle(self)
 
-    def state_dict(self) -> dict:
-        self.settle()
-        return super().state_dict()
-
     def _grads_finite(self, work) -> bool:
         """Whether every gradient on every rank is finite.
 
         A gradient norm that DeepSpeed already computed for this step (with gradient clipping, on by
         default) answers it: the norm is finite exactly when every gradient element is, and it is
-        the same on every rank. Otherwise every gradient is read (one compiled pass on CPU).
-        """
+        the same on every rank. Otherwise every gradient is read (one compiled pass on CPU)."""
         norm = self.grad_norm_source() if self.grad_norm_source is not None else None
         if norm is not None:
             self.nonfinite_checks["norm"] += 1
             return math.isfinite(float(norm))
         self.nonfinite_checks["pass"] += 1
-        use_kernel = any(ops.group_impl(g) != "reference" for g in self.param_groups)
+        use_kernel = any(S.group_impl(g) != "reference" for g in self.param_groups)
         return NF.grads_all_finite([p.grad for _, p in work], use_kernel)
 
-    @staticmethod
-    def _write_param(dst: torch.Tensor, p32: torch.Tensor, sr, offset: int = 0) -> None:
-        """Write fp32 values into a parameter (or its chunk): rounded to nearest, or stochastically
-        with ``sr = (key, index of dst's first element in its parameter)``."""
-        if sr is None or dst.dtype == torch.float32:
-            dst.copy_(p32.view(dst.shape))
-            return
-        index = torch.arange(sr[1] + offset, sr[1] + offset + p32.numel(), device=p32.device)
-        dst.copy_(rounding.round_stochastic(p32.reshape(-1), dst.dtype, sr[0], index).view(dst.shape))
+    # ------------------------------------------------------------------ saving and loading (state_io.py)
+    @classmethod
+    def universal_names(cls) -> tuple:
+        """The names this optimizer's states carry in DeepSpeed universal checkpoints."""
+        return state_io.universal_names_for(cls.state_names)
 
-    def _reference_step_32bit(self, p, grad, states, sr, h) -> None:
-        if p.dtype == torch.float32:
-            self._update_fp32(p.data, grad.to(torch.float32), list(states), h)
-        else:
-            p32 = p.data.to(torch.float32)
-            self._update_fp32(p32, grad.to(torch.float32), list(states), h)
-            self._write_param(p.data, p32, sr)
+    def state_dict(self) -> dict:
+        self.settle()
+        sd = super().state_dict()
+        layouts, index = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state:
+                    layouts[index] = self.layout_of(p, group).describe()
+                index += 1
+        sd[state_io.STATE_DICT_MARKER] = state_io.marker(type(self).__name__, self.state_names, self.state_signed,
+                                                         layouts)
+        return sd
 
-    def _reference_step_8bit(self, p, grad, codes, absmax, sr, group, h, error_sums=None) -> None:
-        """The specification of the 8-bit step, on a tensor (or piece) whose first element starts a block.
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load like torch, but keep every state tensor in the dtype it was saved with, check
+        everything before replacing anything, and refuse keys it does not know (``state_io.py``)."""
+        plans = state_io.plan_load(self, state_dict)
+        # nothing has changed so far: now replace
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self.state.clear()
+        self._qstates.clear()
+        for p, st in plans:
+            self.state[p] = state_io.restored_entry(st, p.device)
+            self._adopt_fp32_state(p, self.state[p], collective=True)
 
-        ``sr`` is None or ``(key, index of p's first element in its parameter)``: the random bits of
-        stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
-        :meth:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error."""
-        bs = F.resolve_block_size(group["block_size"], p.numel())
-        maps = self._maps(group, p.device)
-        state_keys = [rounding.state_key(sr[0], i) if sr is not None and on else None
-                      for i, on in enumerate(self.stochastic_states(group))]
-        param_sr = sr if self.stochastic_params(group, p) else None
-        n = p.numel()
-        # a non-contiguous parameter (e.g. a transposed view) is stepped in a flat copy, written back below
-        in_place = p.data.is_contiguous()
-        pf = p.data.view(-1) if in_place else p.data.reshape(-1).clone()
-        gf = grad.reshape(-1)
-        flat_codes = [c.view(-1) for c in codes]
-        chunk = max(bs, stepping.REFERENCE_CHUNK // bs * bs)
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            b0, b1 = start // bs, F.num_blocks(end, bs)
-            p32 = pf[start:end] if p.dtype == torch.float32 else pf[start:end].to(torch.float32)
-            g32 = gf[start:end].to(torch.float32)
-            states = [F.dequantize_flat(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
-            self._update_fp32(p32, g32, states, h)
-            for c, a, m, s, key in zip(flat_codes, absmax, maps, states, state_keys):
-                new_absmax = F.block_absmax(s, bs)
-                a[b0:b1] = new_absmax
-                bits = None if key is None else rounding.random_bits(
-                    key, torch.arange(sr[1] + start, sr[1] + end, device=p.device))
-                c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits)
-            if error_sums is not None:
-                for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
-                    telemetry.add_error(error_sums, i, F.dequantize_flat(c[start:end], a[b0:b1], m, bs), s)
-            if p.dtype != torch.float32:
-                self._write_param(pf[start:end], p32, param_sr, start)
-        if not in_place:
-            p.data.copy_(pf.view(p.shape))
+    @classmethod
+    def export_fp32_state_dict(cls, state_dict: dict, universal: bool = False) -> dict:
+        """A copy of a saved ``state_dict`` with every state as fp32 under torch's names (``universal``:
+        under the names DeepSpeed universal checkpoints expect). Needs no parameters: the state names,
+        maps and layouts come from the saved marker. The values are the dequantized codes, exactly."""
+        return state_io.export_fp32(state_dict, cls.state_names, cls.state_signed, universal)
 
-    # ------------------------------------------------------------------ whole-parameter rules
-    def _norm_terms(self, p, g, states, h) -> tuple:
-        """Tensors (float32, one chunk) whose whole-parameter L2 norms the step needs (override).
+    def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False) -> bool:
+        """Requantize state that a loader wrote as fp32 under torch's or universal names.
 
-        ``states`` are scratch copies and may be changed; ``p`` and ``g`` must not be.
-        """
-        raise NotImplementedError
+        DeepSpeed's universal-checkpoint loader writes fp32 ``exp_avg``/``exp_avg_sq`` and ``step``
+        straight into ``optimizer.state``; this turns them into codes and block maxima. Returns True
+        when the state was replaced. On a sharded ZeRO partition requantizing takes an all-reduce, so
+        it happens only when every rank does it together (``collective=True``, as the checkpoint hook
+        and :meth:`adopt_loaded_state` do)."""
+        names = state_io.fp32_names_in(state, self.state_names)
+        if names is None:
+            return False  # the usual case: one set test per tensor and step
+        layout = self.layout_of(p, self._state_group(p))
+        if layout.sharded and not collective:
+            raise RuntimeError(
+                f"{type(self).__name__}: fp32 state ({', '.join(names)}) was written into a ZeRO partition "
+                "outside a checkpoint load; call optimizer.adopt_loaded_state() on every rank before stepping")
+        values = {tn: state[n] for tn, n in zip(self.state_names, names) if n is not None}
+        absent = [tn for tn in self.state_names if tn not in values]
+        if absent:  # a universal checkpoint without ds_q8's codes carries two states only
+            warnings.warn(f"{type(self).__name__}: the checkpoint has no {', '.join(absent)} (a universal checkpoint "
+                          "written without ds_q8's codes carries exp_avg and exp_avg_sq only); starting it from zero",
+                          RuntimeWarning, stacklevel=2)
+            values.update({tn: torch.zeros(layout.numel) for tn in absent})
+        self.load_dequantized_state(p, values, state.get("step", 0))
+        return True
 
-    def _norm_hyper(self, h: Dict[str, float], norms: List[float]) -> Dict[str, float]:
-        """The step's scalars once the norms of ``_norm_terms`` are known (override)."""
-        raise NotImplementedError
+    def adopt_loaded_state(self) -> int:
+        """Requantize fp32 state that a loader wrote straight into ``self.state``; call on every rank.
 
-    def _segment_hypers(self, p, grad, state, layout: StateLayout, group, h) -> list:
-        """First pass of a whole-parameter rule: each segment's step scalars; no state is changed.
+        ``step`` does this by itself for ordinary parameters; the DeepSpeed checkpoint hook does it
+        for ZeRO partitions. Returns the number of tensors converted."""
+        count = 0
+        sharded = [p for p, lay in self._layouts.items() if lay.sharded]
+        for p in sharded:  # every rank, in registration order: the same order everywhere
+            count += int(self.adopt_tensor_collectively(p))
+        done = set(map(id, sharded))
+        for p in list(self.state):
+            if id(p) not in done:
+                count += bool(self._adopt_fp32_state(p, self.state[p]))
+        return count
 
-        Squares are summed in float64 per parameter over its segments, chunk by chunk (the chunks
-        dequantize the same codes the update pass will), and across ranks for a sharded partition.
-        """
-        k = len(self.state_signed)
-        maps = self._maps(group, p.device)
-        pf, gf = layout.param_views(p), grad.reshape(-1)
-        sums: Optional[torch.Tensor] = None
-        for si, seg in enumerate(layout.segments):
-            for s, e, values in segment_values(layout, state, si, maps, k):
-                terms = self._norm_terms(pf[s:e].to(torch.float32), gf[s:e].to(torch.float32),
-                                         [v.clone() for v in values], h)
-                if sums is None:
-                    sums = torch.zeros(layout.num_params, len(terms), dtype=torch.float64)
-                for j, t in enumerate(terms):
-                    sums[seg.param_index, j] += float(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2)
-        if sums is None:  # no segment here (or an empty parameter): the norms are 0
-            probe = self._norm_terms(torch.zeros(0), torch.zeros(0), [torch.zeros(0) for _ in range(k)], h)
-            sums = torch.zeros(layout.num_params, len(probe), dtype=torch.float64)
-        if layout.sharded:
-            layout.comm.all_reduce_sum(sums)
-        norms = sums.sqrt().tolist()
-        by_param: Dict[int, Dict[str, float]] = {}
-        out = []
-        for seg in layout.segments:
-            hp = by_param.get(seg.param_index)
-            if hp is None:
-                hp = by_param[seg.param_index] = self._norm_hyper(h, norms[seg.param_index])
-            out.append(hp)
-        return out
+    def adopt_tensor_collectively(self, p: torch.Tensor) -> bool:
+        """Requantize fp32 state of one sharded tensor if any rank has some; call on every rank."""
+        st = self.state[p]
+        layout = self._layouts[p]
+        has = state_io.fp32_names_in(st, self.state_names) is not None
+        flag = torch.tensor([1.0 if has else 0.0])
+        layout.comm.all_reduce_max(flag)
+        if float(flag) == 0.0:
+            return False
+        if has:
+            return self._adopt_fp32_state(p, st, collective=True)
+        # another rank got fp32 state for this tensor: requantize what is here along with it
+        values = self.dequantized_state(p) or {n: torch.zeros(layout.numel) for n in self.state_names}
+        self.load_dequantized_state(p, values, st.get("step", 0))
+        return False
+
+    def restore_codes(self, p: torch.Tensor, saved: Dict[str, dict]) -> None:
+        """Rebuild a tensor's state after a universal load, code for code (``saved``: each parameter's
+        whole state as ``to-universal`` wrote it; see :meth:`QuantizedState.restore_params`). ``step``
+        is the loader's."""
+        step = self.state[p].get("step", 0)
+        qs = self._create_state(p)
+        qs.entry["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
+        qs.restore_params(saved)
 
 
-__all__ = ["Optimizer8bitBlock", "check_range", "get_map", "uses_8bit", "OPTIM_BITS_ATTR", "STATE_DICT_MARKER",
-           "UNIVERSAL_STATE_NAMES", "beta_hyper", "check_adam_group", "check_betas", "resolve_betas", "QUANTIZATIONS"]
+__all__ = ["Optimizer8bitBlock", "OPTIONS", "uses_8bit", "OPTIM_BITS_ATTR"]

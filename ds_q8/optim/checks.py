@@ -1,15 +1,16 @@
 """Hyperparameter checks shared by every optimizer: each error names the field and its valid range."""
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Dict
+from typing import Dict, List
 
 from .. import functional as F
 
 QUANTIZATIONS = ("dynamic", "linear")
 #: how the unsigned states (second moments) are requantized after each step
 STATE_ROUNDINGS = ("stochastic", "nearest")
-IMPLS = ("auto", "kernel", "reference")  # ds_q8.ops decides by it
+IMPLS = ("auto", "kernel", "reference")  # optim/step.py decides by it
 
 
 def _is_number(x) -> bool:
@@ -92,5 +93,38 @@ def beta_hyper(group: dict) -> Dict[str, float]:
     return dict(beta1=beta1, one_minus_beta1=1.0 - beta1, beta2=beta2, one_minus_beta2=1.0 - beta2)
 
 
+#: keys for which "auto" is a real value, not a placeholder that the HF Trainer fills in
+AUTO_IS_A_VALUE = ("impl",)
+
+
+def constructor_keys(cls) -> List[str]:
+    """Names of the keyword arguments ``cls(params, ...)`` accepts, in signature order."""
+    keys = []
+    for name, prm in inspect.signature(cls.__init__).parameters.items():
+        if name in ("self", "params"):
+            continue
+        if prm.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        keys.append(name)
+    return keys
+
+
+def check_optimizer_kwargs(cls, kwargs: dict) -> None:
+    """Raise ValueError for unknown keys, or for ``"auto"`` values nobody filled in."""
+    valid = constructor_keys(cls)
+    unknown = sorted(k for k in kwargs if k not in valid)
+    if unknown:
+        raise ValueError(
+            f"{cls.__name__} got unknown parameter(s) {unknown} (in a DeepSpeed config: the "
+            f"\"optimizer\": {{\"params\": ...}} section); valid keys: {', '.join(valid)}"
+        )
+    autos = sorted(k for k, v in kwargs.items() if isinstance(v, str) and v == "auto" and k not in AUTO_IS_A_VALUE)
+    if autos:
+        raise ValueError(
+            f"{cls.__name__} parameter(s) {autos} are \"auto\": only the HF Trainer's DeepSpeed integration "
+            "fills \"auto\" in; with plain DeepSpeed give numbers"
+        )
+
+
 __all__ = ["check_range", "check_common_group", "resolve_betas", "check_betas", "check_adam_group", "beta_hyper",
-           "QUANTIZATIONS", "STATE_ROUNDINGS"]
+           "QUANTIZATIONS", "STATE_ROUNDINGS", "check_optimizer_kwargs", "constructor_keys", "AUTO_IS_A_VALUE"]

@@ -13,7 +13,7 @@ absmax, and the ranks agree on that absmax through one all-reduce MAX per step (
 ``comm``). Each parameter's codes and block maxima are therefore those the unsharded optimizer
 holds, at any world size.
 
-State storage of a tensor, per state ``i`` (1 or 2):
+State storage of a tensor, per state ``i`` (from 1), as ``qstate.py`` keeps it:
   * ``state{i}``: uint8 codes of the 8-bit segments, packed in tensor order (shaped like the
     tensor when one 8-bit segment covers all of it);
   * ``absmax{i}``: float32 block maxima of those segments, each segment's blocks in order
@@ -314,24 +314,6 @@ class StateLayout:
         if which is None:
             self.__dict__[key] = out
         return out
-
-    def cached_views(self, state: dict, k: int) -> list:
-        """``(piece, codes views, absmax views)`` of every whole-block 8-bit piece, made once per state."""
-        tensors = tuple(state[f"{name}{i}"] for name in ("state", "absmax") for i in range(1, k + 1))
-        cache = self.__dict__.get("_views")
-        if cache is not None and len(cache[0]) == len(tensors) and all(a is b for a, b in zip(cache[0], tensors)):
-            return cache[1]
-        codes = [t.view(-1) for t in tensors[:k]]
-        absmax = tensors[k:]
-        views = [(piece, tuple(c[piece.codes_start:piece.codes_start + piece.numel] for c in codes),
-                  tuple(a[piece.absmax_start:piece.absmax_start + piece.absmax_count] for a in absmax))
-                 for piece in self.pieces8]
-        self._views = (tensors, views)
-        return views
-
-    def forget_views(self) -> None:
-        """Drop cached state views (after the state tensors were replaced)."""
-        self.__dict__.pop("_views", None)
 
     def find_param(self, param_index: int) -> Optional[int]:
         """Index of the segment holding part of parameter ``param_index``, or None."""

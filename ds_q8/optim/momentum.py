@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict
 
-import torch
-
-from .base import Optimizer8bitBlock, check_range
+from . import rules
+from .base import Optimizer8bitBlock
+from .checks import check_range
 
 
 class Momentum8bitBlock(Optimizer8bitBlock):
@@ -14,19 +14,11 @@ class Momentum8bitBlock(Optimizer8bitBlock):
 
     Plain SGD keeps no state, so ``momentum`` must be positive; it defaults to 0.9.
     """
-    state_names = ("momentum_buffer",)
-    state_signed = (True,)
-    update_rule = "momentum"
+    rule = rules.MOMENTUM
 
-    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False,
-                 block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
-                 nonfinite="skip"):
+    def __init__(self, params, lr=1e-3, momentum=0.9, dampening=0.0, weight_decay=0.0, nesterov=False, **options):
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, block_size=block_size, min_8bit_size=min_8bit_size,
-                                      optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
-                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
+                                      nesterov=nesterov), **options)
 
     def _check_group(self, group: dict) -> None:
         check_range("momentum", group["momentum"], 0.0, 1.0, lo_open=True)
@@ -46,14 +38,3 @@ class Momentum8bitBlock(Optimizer8bitBlock):
             nesterov=1.0 if group["nesterov"] else 0.0,
             first_step=1.0 if step == 1 else 0.0,
         )
-
-    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
-        (buf,) = states
-        if h["weight_decay"] != 0.0:
-            g = g + p * h["weight_decay"]
-        if h["first_step"]:
-            buf.copy_(g)
-        else:
-            buf.mul_(h["momentum"]).add_(g * h["one_minus_dampening"])
-        d = g + buf * h["momentum"] if h["nesterov"] else buf
-        p.sub_(d * h["lr"])

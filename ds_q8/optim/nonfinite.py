@@ -22,6 +22,9 @@ from typing import List
 
 import torch
 
+from .. import ops
+from .step import group_impl
+
 MODES = ("skip", "raise", "off")
 
 
@@ -33,8 +36,6 @@ def check_mode(value) -> str:
 
 def _any_nonfinite(grads: List[torch.Tensor], use_kernel: bool) -> torch.Tensor:
     """Whether this rank's gradients hold a NaN or Inf (a bool tensor: no sync on a GPU)."""
-    from .. import ops
-
     # CPU gradients: one compiled read instead of torch's isfinite (which writes a bool temporary)
     fast = ops.cpu_all_finite(grads) if use_kernel else None
     if fast is not None:
@@ -118,7 +119,5 @@ class PendingSkips:
 def skip_on_device(optimizer, work) -> bool:
     """Whether this step's non-finite decision can stay on the device: ``"skip"`` mode, every
     gradient a CUDA tensor, and some group using kernels."""
-    from .. import ops
-
     return (optimizer.nonfinite == "skip" and bool(work) and all(p.grad.is_cuda for _, p in work)
-            and any(ops.group_impl(g) != "reference" for g in optimizer.param_groups))
+            and any(group_impl(g) != "reference" for g in optimizer.param_groups))

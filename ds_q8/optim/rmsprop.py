@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict
 
-import torch
-
-from .base import Optimizer8bitBlock, check_range
-from .mathops import sqrt_rn
+from . import rules
+from .base import Optimizer8bitBlock
+from .checks import check_range
 
 
 class RMSprop8bitBlock(Optimizer8bitBlock):
@@ -19,30 +18,20 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
     refused: it takes a square root of ``square_avg - grad_avg**2``, a difference of two separately
     quantized values that can turn negative.
     """
-    # class-level layout without momentum; an instance built with momentum replaces all three
-    state_names = ("square_avg",)
-    state_signed = (False,)
-    update_rule = "rmsprop"
+    # the class's rule is without momentum; an instance built with momentum takes the other one
+    rule = rules.RMSPROP
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                 block_size=2048, min_8bit_size=4096, optim_bits=8, quantization="dynamic",
-                 stochastic_rounding=None, sr_seed=0, state_rounding="stochastic", impl="auto",
-                 nonfinite="skip"):
+                 **options):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bitBlock: its variance estimate "
                              "square_avg - grad_avg**2 can turn negative once both are quantized; use centered=False")
         params = list(params)
         group_momentum = [g.get("momentum", 0.0) for g in params if isinstance(g, dict)]
-        with_momentum = any(_is_positive(m) for m in [momentum] + group_momentum)
-        # instance attributes: the state layout depends on whether momentum is used
-        self.state_names = ("square_avg", "momentum_buffer") if with_momentum else ("square_avg",)
-        self.state_signed = (False, True) if with_momentum else (False,)
-        self.update_rule = "rmsprop_momentum" if with_momentum else "rmsprop"
+        if any(_is_positive(m) for m in [momentum] + group_momentum):
+            self._use_rule(rules.RMSPROP_MOMENTUM)
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      centered=centered, block_size=block_size, min_8bit_size=min_8bit_size,
-                                      optim_bits=optim_bits, quantization=quantization,
-                                      stochastic_rounding=stochastic_rounding, sr_seed=sr_seed,
-                                      state_rounding=state_rounding, impl=impl), nonfinite=nonfinite)
+                                      centered=centered), **options)
 
     def _check_group(self, group: dict) -> None:
         check_range("alpha", group["alpha"], 0.0, 1.0)
@@ -64,19 +53,6 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
         )
-
-    def _update_fp32(self, p: torch.Tensor, g: torch.Tensor, states: List[torch.Tensor], h: Dict[str, float]) -> None:
-        sq = states[0]
-        if h["weight_decay"] != 0.0:
-            g = g + p * h["weight_decay"]
-        sq.mul_(h["alpha"]).add_((g * g) * h["one_minus_alpha"])
-        avg = sqrt_rn(sq).add_(h["eps"])
-        d = g / avg
-        if len(states) == 2:
-            buf = states[1]
-            buf.mul_(h["momentum"]).add_(d)
-            d = buf
-        p.sub_(d * h["lr"])
 
 
 def _is_positive(x) -> bool:

@@ -67,18 +67,15 @@ def _fractions(codes: torch.Tensor, signed: bool, total: Dict[str, torch.Tensor]
     return {"n": codes.numel(), "at_zero": at_zero, "at_extreme": at_extreme}
 
 
-def report(opt, telemetry: Optional[Telemetry]) -> dict:
-    """See the module doc. Reads every 8-bit state's codes once (on a GPU: one transfer at the end)."""
-    names = opt.state_names
+def report(states, names, telemetry: Optional[Telemetry]) -> dict:
+    """See the module doc. ``states`` are ``(tensor, QuantizedState)`` of every 8-bit tensor. Reads every
+    8-bit state's codes once (on a GPU: one transfer at the end)."""
     k = len(names)
     totals = [{"n": 0, "at_zero": 0, "at_extreme": 0, "err": 0.0, "mag": 0.0} for _ in range(k)]
     params: List[dict] = []
-    for tensor, state in opt.state.items():
-        if not opt.is_8bit_state(state):
-            continue
-        group = opt._state_group(tensor)
-        layout = opt.layout_of(tensor, group)
-        codes = [state[f"state{i}"].view(-1) for i in range(1, k + 1)]
+    for tensor, qs in states:
+        layout = qs.layout
+        codes = qs.codes()
         sums = telemetry.sums.get(tensor) if telemetry is not None else None
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit:
@@ -86,7 +83,7 @@ def report(opt, telemetry: Optional[Telemetry]) -> dict:
             entry = {"group": layout.group_index, "param": seg.param_index, "name": seg.name, "numel": seg.numel}
             for i, name in enumerate(names):
                 parts = [codes[i][p.codes_start:p.codes_start + p.numel] for p in layout.pieces_of(si)]
-                stats = _fractions(torch.cat(parts) if parts else codes[i][:0], opt.state_signed[i], totals[i])
+                stats = _fractions(torch.cat(parts) if parts else codes[i][:0], qs.signed[i], totals[i])
                 if sums is not None:
                     stats["err"], stats["mag"] = sums[si, i, 0], sums[si, i, 1]
                     totals[i]["err"] = totals[i]["err"] + stats["err"]
