@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from . import optim
-from .optim.base import Optimizer8bitBlock
+from .integration.lookup import optimizer_classes
 
 #: DeepSpeed JSON ``"type"`` name -> optimizer class: every optimizer ``ds_q8.optim`` exports
-OPTIMIZERS = {name: getattr(optim, name) for name in optim.__all__
-              if isinstance(getattr(optim, name), type) and issubclass(getattr(optim, name), Optimizer8bitBlock)
-              and getattr(optim, name) is not Optimizer8bitBlock}
+OPTIMIZERS = optimizer_classes()
 
 
 def register_with_deepspeed() -> bool:

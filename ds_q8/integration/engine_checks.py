@@ -20,7 +20,7 @@ class UnsupportedZeroConfig(ValueError):
 
 
 def check_zero_config(engine, optimizer) -> None:
-    from ..optim.base import Optimizer8bitBlock
+    from ..optim import Optimizer8bitBlock
 
     if not isinstance(optimizer, Optimizer8bitBlock):
         return
@@ -54,7 +54,7 @@ def _master_weights_without_cpu_adam(original):
     the masters' dtype, on the accelerator or offloaded, and steps 16-bit masters itself (with
     stochastic rounding), so for it those validators do not apply."""
     def configure(self, *args, **kwargs):
-        from ..optim.base import Optimizer8bitBlock
+        from ..optim import Optimizer8bitBlock
 
         if isinstance(getattr(self, "optimizer", None), Optimizer8bitBlock):
             kwargs["fp16_offload_validator"] = None

@@ -21,7 +21,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..optim.base import Optimizer8bitBlock, uses_8bit
+from ..optim import Optimizer8bitBlock
+from ..optim.base import uses_8bit
 from ..optim.layout import Comm, Segment, StateLayout, shared_blocks
 
 #: attribute set on every parameter of a ZeRO-wrapped ds_q8 optimizer
