@@ -14,7 +14,6 @@ import zipfile
 from pathlib import Path
 from typing import List
 
-from . import engine_hooks
 from .lookup import checkpoint_folder, ds_q8_optimizer
 
 _SHARD = re.compile(r"zero_pp_rank_(\d+)_")
@@ -85,8 +84,3 @@ def _check_engine_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     if ds_q8_optimizer(engine) is None:
         return  # an engine without a ds_q8 optimizer loads as DeepSpeed alone would
     check_before_load(load_dir, tag, _shard_rank(engine))
-
-
-def install() -> bool:
-    """Check before ``DeepSpeedEngine.load_checkpoint``; False when DeepSpeed is missing."""
-    return engine_hooks.run_before("load_checkpoint", _check_engine_load)

@@ -12,8 +12,6 @@ allocated, and only when the optimizer being wrapped is a ds_q8 one.
 """
 from __future__ import annotations
 
-from . import engine_hooks
-
 
 class UnsupportedZeroConfig(ValueError):
     """A DeepSpeed ZeRO setting that ds_q8 optimizers cannot work with."""
@@ -42,11 +40,6 @@ def check_zero_config(engine, optimizer) -> None:
         )
 
 
-def install() -> bool:
-    """Check before ``DeepSpeedEngine._configure_zero_optimizer``; False when DeepSpeed is missing."""
-    return engine_hooks.run_before("_configure_zero_optimizer", check_zero_config)
-
-
 def _master_weights_without_cpu_adam(original):
     """DeepSpeed allows bf16 (or fp16) master weights only with bf16 optimizer states on the
     accelerator or with DeepSpeedCPUAdam under ZeRO-Offload: its validators guard optimizers that
@@ -61,17 +54,4 @@ def _master_weights_without_cpu_adam(original):
             kwargs["bf16_offload_validator"] = None
         return original(self, *args, **kwargs)
 
-    configure._ds_q8 = True
     return configure
-
-
-def install_master_weights() -> bool:
-    """Let ds_q8 optimizers take 16-bit master weights; False when DeepSpeed is missing."""
-    try:
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    except ImportError:
-        return False
-    if not getattr(ZeROOptimizer._configure_master_weights, "_ds_q8", False):
-        ZeROOptimizer._configure_master_weights = _master_weights_without_cpu_adam(
-            ZeROOptimizer._configure_master_weights)
-    return True

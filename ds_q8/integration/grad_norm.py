@@ -86,9 +86,3 @@ def attach(engine) -> bool:
 
 def _attach_hook(engine, result, *args, **kwargs) -> None:
     attach(engine)
-
-
-def install() -> bool:
-    from . import engine_hooks
-
-    return engine_hooks.run_after("_configure_optimizer", _attach_hook, name="ds_q8.grad_norm")

@@ -279,14 +279,6 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
         layout.forget_views()
 
 
-def install() -> bool:
-    """Run :func:`restore_after_load` after ``DeepSpeedEngine._load_zero_checkpoint``."""
-    from . import engine_hooks
-
-    engine_hooks.run_before("load_checkpoint", _refuse_other_world_size, name="ds_q8.world_size")
-    return engine_hooks.run_after("_load_zero_checkpoint", _restore_hook, name="ds_q8.restore_codes")
-
-
 def _restore_hook(engine, result, *args, **kwargs) -> None:
     restore_after_load(engine, *args, **kwargs)
 
