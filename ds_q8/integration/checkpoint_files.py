@@ -46,13 +46,14 @@ def files_of_rank(folder: Path, rank: int) -> List[Path]:
     return sorted(f for f in folder.glob("*.pt") if shard_of(f.name) in (None, rank))
 
 
-def check_before_load(load_dir, tag, rank: int) -> None:
-    """Verify this rank's files; every rank raises if any rank found a damaged one."""
+def check_before_load(load_dir, tag, rank: int, universal: bool = False) -> None:
+    """Verify this rank's files; every rank raises if any rank found a damaged one. ``universal``: the
+    engine loads universal checkpoints, and a None ``tag`` is read from ``latest_universal``."""
     import torch
     import torch.distributed as dist
 
     problem = None
-    folder = checkpoint_folder(load_dir, tag)
+    folder = checkpoint_folder(load_dir, tag, universal)
     if folder is not None:
         try:
             for f in files_of_rank(folder, rank):
@@ -83,4 +84,4 @@ def _shard_rank(engine) -> int:
 def _check_engine_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     if ds_q8_optimizer(engine) is None:
         return  # an engine without a ds_q8 optimizer loads as DeepSpeed alone would
-    check_before_load(load_dir, tag, _shard_rank(engine))
+    check_before_load(load_dir, tag, _shard_rank(engine), bool(engine.load_universal_checkpoint()))

@@ -256,7 +256,7 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     if not load_optimizer_states:
         return
     # DeepSpeed hands _load_zero_checkpoint the tag it resolved; no folder leaves the fp32 values to requantize
-    folder = checkpoint_folder(load_dir, tag)
+    folder = checkpoint_folder(load_dir, tag, universal=True)
     folder = None if folder is None else str(folder)
     cache: dict = {}
     for tensor, layout in list(opt._layouts.items()):
