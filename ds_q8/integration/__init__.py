@@ -4,6 +4,10 @@
 * ``engine_checks``: refuse ZeRO features that would corrupt 8-bit state (elastic checkpoints,
   NVMe optimizer offload) before any training happens;
 * ``checkpoint_files``: refuse truncated or corrupted checkpoint files before any is applied;
-* ``engine_hooks``: how both of those attach to the engine (once per process);
-* ``universal``: convert a ZeRO checkpoint so DeepSpeed's universal-checkpoint tools accept it.
+* ``zero_layout``: which parameter slices each ZeRO partition holds, and per-parameter state access;
+* ``universal``: convert a ZeRO checkpoint so DeepSpeed's universal-checkpoint tools accept it;
+* ``grad_norm``: answer the non-finite check with the gradient norm DeepSpeed computed;
+* ``patches``: every place the modules above attach to DeepSpeed, in one table, installed once;
+* ``engine_hooks``: how a row of that table attaches (before, after, replace; once per process);
+* ``lookup``: what all of them look up the same way (the optimizer in an engine, the checkpoint folder).
 """

@@ -12,9 +12,9 @@ from __future__ import annotations
 import re
 import zipfile
 from pathlib import Path
-from typing import List, Optional
+from typing import List
 
-from . import engine_hooks
+from .lookup import checkpoint_folder, ds_q8_optimizer
 
 _SHARD = re.compile(r"zero_pp_rank_(\d+)_")
 
@@ -46,23 +46,14 @@ def files_of_rank(folder: Path, rank: int) -> List[Path]:
     return sorted(f for f in folder.glob("*.pt") if shard_of(f.name) in (None, rank))
 
 
-def _tag_folder(load_dir, tag) -> Optional[Path]:
-    if tag is None:
-        latest = Path(load_dir) / "latest"
-        if not latest.is_file():
-            return None
-        tag = latest.read_text().strip()
-    folder = Path(load_dir) / str(tag)
-    return folder if folder.is_dir() else None
-
-
-def check_before_load(load_dir, tag, rank: int) -> None:
-    """Verify this rank's files; every rank raises if any rank found a damaged one."""
+def check_before_load(load_dir, tag, rank: int, universal: bool = False) -> None:
+    """Verify this rank's files; every rank raises if any rank found a damaged one. ``universal``: the
+    engine loads universal checkpoints, and a None ``tag`` is read from ``latest_universal``."""
     import torch
     import torch.distributed as dist
 
     problem = None
-    folder = _tag_folder(load_dir, tag)
+    folder = checkpoint_folder(load_dir, tag, universal)
     if folder is not None:
         try:
             for f in files_of_rank(folder, rank):
@@ -91,13 +82,6 @@ def _shard_rank(engine) -> int:
 
 
 def _check_engine_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
-    from .universal import _wrapped_ds_q8_optimizer
-
-    if _wrapped_ds_q8_optimizer(engine) is None:
+    if ds_q8_optimizer(engine) is None:
         return  # an engine without a ds_q8 optimizer loads as DeepSpeed alone would
-    check_before_load(load_dir, tag, _shard_rank(engine))
-
-
-def install() -> bool:
-    """Check before ``DeepSpeedEngine.load_checkpoint``; False when DeepSpeed is missing."""
-    return engine_hooks.run_before("load_checkpoint", _check_engine_load)
+    check_before_load(load_dir, tag, _shard_rank(engine), bool(engine.load_universal_checkpoint()))

@@ -12,15 +12,13 @@ allocated, and only when the optimizer being wrapped is a ds_q8 one.
 """
 from __future__ import annotations
 
-from . import engine_hooks
-
 
 class UnsupportedZeroConfig(ValueError):
     """A DeepSpeed ZeRO setting that ds_q8 optimizers cannot work with."""
 
 
 def check_zero_config(engine, optimizer) -> None:
-    from ..optim.base import Optimizer8bitBlock
+    from ..optim import Optimizer8bitBlock
 
     if not isinstance(optimizer, Optimizer8bitBlock):
         return
@@ -42,11 +40,6 @@ def check_zero_config(engine, optimizer) -> None:
         )
 
 
-def install() -> bool:
-    """Check before ``DeepSpeedEngine._configure_zero_optimizer``; False when DeepSpeed is missing."""
-    return engine_hooks.run_before("_configure_zero_optimizer", check_zero_config)
-
-
 def _master_weights_without_cpu_adam(original):
     """DeepSpeed allows bf16 (or fp16) master weights only with bf16 optimizer states on the
     accelerator or with DeepSpeedCPUAdam under ZeRO-Offload: its validators guard optimizers that
@@ -54,24 +47,11 @@ def _master_weights_without_cpu_adam(original):
     the masters' dtype, on the accelerator or offloaded, and steps 16-bit masters itself (with
     stochastic rounding), so for it those validators do not apply."""
     def configure(self, *args, **kwargs):
-        from ..optim.base import Optimizer8bitBlock
+        from ..optim import Optimizer8bitBlock
 
         if isinstance(getattr(self, "optimizer", None), Optimizer8bitBlock):
             kwargs["fp16_offload_validator"] = None
             kwargs["bf16_offload_validator"] = None
         return original(self, *args, **kwargs)
 
-    configure._ds_q8 = True
     return configure
-
-
-def install_master_weights() -> bool:
-    """Let ds_q8 optimizers take 16-bit master weights; False when DeepSpeed is missing."""
-    try:
-        from deepspeed.runtime.base_optimizer import ZeROOptimizer
-    except ImportError:
-        return False
-    if not getattr(ZeROOptimizer._configure_master_weights, "_ds_q8", False):
-        ZeROOptimizer._configure_master_weights = _master_weights_without_cpu_adam(
-            ZeROOptimizer._configure_master_weights)
-    return True

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import functools
 
+from .lookup import ds_q8_optimizer
+
 
 def _ds_q8_optimizer(engine):
-    from ..optim.base import Optimizer8bitBlock
-
-    outer = getattr(engine, "optimizer", None)
-    for candidate in (outer, getattr(outer, "optimizer", None)):
-        if isinstance(candidate, Optimizer8bitBlock):
-            return candidate
-    return None
+    # the engine's optimizer or the one its wrapper steps directly: only a wrapper that calls the ds_q8
+    # step itself computed the norm of the very gradients that step reads
+    return ds_q8_optimizer(engine, depth=2)
 
 
 def _wrappers():
@@ -88,9 +86,3 @@ def attach(engine) -> bool:
 
 def _attach_hook(engine, result, *args, **kwargs) -> None:
     attach(engine)
-
-
-def install() -> bool:
-    from . import engine_hooks
-
-    return engine_hooks.run_after("_configure_optimizer", _attach_hook, name="ds_q8.grad_norm")

@@ -32,6 +32,7 @@ import torch
 
 from ..optim.qstate import QuantizedState, has_storage
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, universal_names_for
+from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
 
 _OPTIM_SUFFIX = "_optim_states.pt"
 _OUTER = "optimizer_state_dict"
@@ -39,14 +40,6 @@ _OUTER = "optimizer_state_dict"
 _INNER_KEYS = ("base_optimizer_state", "optimizer_state_dict")
 #: folder of per-parameter 8-bit state inside a universal checkpoint
 CODES_FOLDER = "ds_q8"
-
-
-def _optimizer_class(name: str):
-    from ..registry import OPTIMIZERS
-
-    if name not in OPTIMIZERS:
-        raise ValueError(f"checkpoint written by unknown optimizer {name!r}; known: {sorted(OPTIMIZERS)}")
-    return OPTIMIZERS[name]
 
 
 def _find_optimizer_state(rank_sd: dict, path: str):
@@ -73,7 +66,7 @@ def _marker(inner: dict, path: str) -> dict:
 def fp32_rank_state(inner: dict, path: str) -> dict:
     """One rank's ds_q8 optimizer state_dict, rewritten with fp32 states under universal names."""
     marker = _marker(inner, path)
-    cls = _optimizer_class(marker["optimizer"])
+    cls = optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
     names = [n for n in universal_names_for(marker.get("state_names", cls.state_names)) if n is not None]
     for st in out["state"].values():
@@ -227,20 +220,11 @@ def _rank_markers(folder: str):
 
 
 # ---------------------------------------------------------------------------- loading
-def _wrapped_ds_q8_optimizer(engine):
-    from ..optim.base import Optimizer8bitBlock
-
-    opt = getattr(engine, "optimizer", None)
-    for _ in range(4):
-        if isinstance(opt, Optimizer8bitBlock):
-            return opt
-        opt = getattr(opt, "optimizer", None)
-    return None
-
-
-def _saved_state(folder: str, segments, group: dict, opt, cache: dict) -> Optional[List[dict]]:
+def _saved_state(folder: Optional[str], segments, group: dict, opt, cache: dict) -> Optional[List[dict]]:
     """The saved whole-parameter state of each segment's parameter, or None when any is missing or does
     not fit (8-bit where it now keeps fp32 or the other way round, another block size or map)."""
+    if folder is None:
+        return None
     out = []
     for seg in segments:
         if seg.name is None:
@@ -260,17 +244,15 @@ def _saved_state(folder: str, segments, group: dict, opt, cache: dict) -> Option
 
 def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     """After DeepSpeed loaded a universal checkpoint: put every saved code back (every rank)."""
-    opt = _wrapped_ds_q8_optimizer(engine)
+    opt = ds_q8_optimizer(engine)
     if opt is None or not engine.load_universal_checkpoint():
         return
     load_optimizer_states = kwargs.get("load_optimizer_states", args[0] if args else True)
     if not load_optimizer_states:
         return
-    if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        with open(latest) as f:
-            tag = f.read().strip()
-    folder = os.path.join(load_dir, str(tag))
+    # DeepSpeed hands _load_zero_checkpoint the tag it resolved; no folder leaves the fp32 values to requantize
+    folder = checkpoint_folder(load_dir, tag, universal=True)
+    folder = None if folder is None else str(folder)
     cache: dict = {}
     for tensor, layout in list(opt._layouts.items()):
         if layout.group is None:
@@ -290,14 +272,6 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
             opt._adopt_fp32_state(tensor, opt.state[tensor])
 
 
-def install() -> bool:
-    """Run :func:`restore_after_load` after ``DeepSpeedEngine._load_zero_checkpoint``."""
-    from . import engine_hooks
-
-    engine_hooks.run_before("load_checkpoint", _refuse_other_world_size, name="ds_q8.world_size")
-    return engine_hooks.run_after("_load_zero_checkpoint", _restore_hook, name="ds_q8.restore_codes")
-
-
 def _restore_hook(engine, result, *args, **kwargs) -> None:
     restore_after_load(engine, *args, **kwargs)
 
@@ -315,18 +289,13 @@ def _refuse_other_world_size(engine, load_dir, tag=None, load_module_strict=True
                              load_lr_scheduler_states=True, load_module_only=False, *args, **kwargs) -> None:
     """DeepSpeed cannot resume ZeRO optimizer state at another world size (at stage 3 some ranks do not
     even find their files); say, on every rank and before anything loads, how ds_q8 resumes it."""
-    if (_wrapped_ds_q8_optimizer(engine) is None or engine.load_universal_checkpoint() or not load_optimizer_states
+    if (ds_q8_optimizer(engine) is None or engine.load_universal_checkpoint() or not load_optimizer_states
             or load_module_only or not engine.zero_optimization()):
         return
-    if tag is None:
-        latest = os.path.join(str(load_dir), "latest")
-        if not os.path.isfile(latest):
-            return
-        with open(latest) as f:
-            tag = f.read().strip()
-    folder = os.path.join(str(load_dir), str(tag))
-    if not os.path.isdir(folder):
+    folder = checkpoint_folder(load_dir, tag)
+    if folder is None:
         return
+    folder = str(folder)
     saved, now = saved_world_size(folder), getattr(engine, "seq_dp_world_size", None)
     if saved is not None and now is not None and saved != now:
         from deepspeed.runtime.zero.utils import ZeRORuntimeException

@@ -13,7 +13,7 @@ registers a :class:`~ds_q8.optim.layout.StateLayout` for every partition:
 The ranks that share a block cut by a partition edge learn its slot in the per-step all-reduce once,
 here, with one ``all_gather_object`` per process group. It also links every parameter to its
 segment, so that ``deepspeed.utils.safe_get_full_optimizer_state`` and ``safe_set_full_optimizer_state``
-read and write ds_q8's 8-bit state (:func:`install` patches DeepSpeed's accessors to ask ds_q8 first).
+read and write ds_q8's 8-bit state (``integration.patches`` makes DeepSpeed's accessors ask ds_q8 first).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..optim.base import Optimizer8bitBlock, uses_8bit
+from ..optim import Optimizer8bitBlock
+from ..optim.base import uses_8bit
 from ..optim.layout import Comm, Segment, StateLayout, shared_blocks
 
 #: attribute set on every parameter of a ZeRO-wrapped ds_q8 optimizer
@@ -216,7 +217,6 @@ def _patched_get_full_hp_param(original):
             return original(self, optim_state_key)
         return _full_state(link, optim_state_key, self.device)
 
-    get_full_hp_param._ds_q8 = True
     return get_full_hp_param
 
 
@@ -227,7 +227,6 @@ def _patched_set_full_hp_param(original):
             return original(self, value, optim_state_key)
         _set_full_state(link, optim_state_key, value)
 
-    set_full_hp_param._ds_q8 = True
     return set_full_hp_param
 
 
@@ -238,7 +237,6 @@ def _patched_z3_get(original):
             return original(self, param, optim_state_key)
         return _full_state(link, optim_state_key, param.device)
 
-    get_full_hp_param._ds_q8 = True
     return get_full_hp_param
 
 
@@ -249,31 +247,8 @@ def _patched_z3_set(original):
             return original(self, value, param, optim_state_key)
         _set_full_state(link, optim_state_key, value)
 
-    set_full_hp_param._ds_q8 = True
     return set_full_hp_param
 
 
 def _attach_hook(engine, wrapper, *args, **kwargs) -> None:
     attach(wrapper)
-
-
-def install() -> bool:
-    """Register layouts after DeepSpeed builds a ZeRO or bf16 wrapper, and route its per-parameter
-    optimizer-state accessors to ds_q8. False when DeepSpeed is missing."""
-    from . import engine_hooks
-
-    try:
-        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-        from deepspeed.utils import mixed_precision_linkage as linkage
-    except ImportError:
-        return False
-    engine_hooks.run_after("_configure_zero_optimizer", _attach_hook, name="ds_q8.attach_layouts")
-    engine_hooks.run_after("_configure_bf16_optimizer", _attach_hook, name="ds_q8.attach_layouts")
-    # link_hp_params binds these module-level functions to each parameter (again after every load)
-    if not getattr(linkage.get_full_hp_param, "_ds_q8", False):
-        linkage.get_full_hp_param = _patched_get_full_hp_param(linkage.get_full_hp_param)
-        linkage.set_full_hp_param = _patched_set_full_hp_param(linkage.set_full_hp_param)
-    if not getattr(DeepSpeedZeroOptimizer_Stage3.get_full_hp_param, "_ds_q8", False):
-        DeepSpeedZeroOptimizer_Stage3.get_full_hp_param = _patched_z3_get(DeepSpeedZeroOptimizer_Stage3.get_full_hp_param)
-        DeepSpeedZeroOptimizer_Stage3.set_full_hp_param = _patched_z3_set(DeepSpeedZeroOptimizer_Stage3.set_full_hp_param)
-    return True

@@ -1,0 +1,177 @@
+"""No module of ds_q8 imports itself back, however indirectly.
+
+A cycle works only as long as every module on it imports the others lazily or after its own names
+exist; moving one import to the top of a file then fails at import time, in an order that depends on
+which module a user imports first. The graph is read from the source with ``ast``, so it also holds
+the imports inside functions: those run later, but a cycle through them is still a cycle.
+
+An edge ``a -> b`` means module ``a`` imports module ``b``: ``import b``, ``from b import name``, or
+``from a_package import b`` where ``b`` is a submodule. A package's ``__init__`` is not counted when one
+of its submodules is imported, or every module would be on a cycle through ``ds_q8/__init__.py``.
+"""
+from __future__ import annotations
+
+import ast
+from collections import deque
+from pathlib import Path
+from typing import Dict, List, Set
+
+PACKAGE = Path(__file__).resolve().parents[1] / "ds_q8"
+
+
+def modules_of(root: Path) -> Dict[str, Path]:
+    """Dotted name -> file of every module of the package at ``root`` (its ``__init__`` named as the package)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _known(name: str, modules: Dict[str, Path]) -> str:
+    # "ds_q8.optim.base.get_map" -> "ds_q8.optim.base": the longest prefix that is a module
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports_of(module: str, path: Path, modules: Dict[str, Path]) -> Set[str]:
+    """The package's modules that ``module`` imports anywhere in its source."""
+    is_package = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(_known(alias.name, modules) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                # level 1 is the module's own package: the module itself for an __init__, else its parent
+                base = base[:len(base) - node.level + (1 if is_package else 0)]
+                full = ".".join(base + ([node.module] if node.module else []))
+            else:
+                full = node.module
+            for alias in node.names:
+                sub = f"{full}.{alias.name}"
+                out.add(sub if sub in modules else _known(full, modules))
+    out.discard("")  # imports of other packages
+    out.discard(module)
+    return out
+
+
+def import_graph(root: Path) -> Dict[str, Set[str]]:
+    modules = modules_of(root)
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def _components(graph: Dict[str, Set[str]]) -> List[Set[str]]:
+    """Strongly connected components (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    comp.add(top)
+                    if top == node:
+                        break
+                out.append(comp)
+    return out
+
+
+def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """For every module on a cycle, the shortest cycle through it; each cycle once, starting at its
+    smallest name, ending where it starts."""
+    found = set()
+    for comp in _components(graph):
+        for start in sorted(comp):
+            parent, queue = {start: None}, deque([start])
+            while queue:
+                node = queue.popleft()
+                if start in graph[node]:
+                    path = [node]
+                    while parent[path[-1]] is not None:
+                        path.append(parent[path[-1]])
+                    path.reverse()
+                    i = path.index(min(path))
+                    found.add(tuple(path[i:] + path[:i]))
+                    break
+                for child in sorted(graph[node] & comp):
+                    if child not in parent:
+                        parent[child] = node
+                        queue.append(child)
+    return [list(c) + [c[0]] for c in sorted(found)]
+
+
+def _short(name: str, package: str) -> str:
+    return name[len(package) + 1:].replace(".", "/") if name != package else "__init__"
+
+
+def test_ds_q8_has_no_import_cycle():
+    found = cycles(import_graph(PACKAGE))
+    text = "\n".join(" -> ".join(_short(m, "ds_q8") for m in c) for c in found)
+    print(text)
+    assert not found, f"{len(found)} import cycle(s) in ds_q8:\n{text}"
+
+
+# ---------------------------------------------------------------------------- the checker itself
+def _write(root: Path, files: Dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root / "pkg"
+
+
+def test_checker_reports_a_planted_cycle(tmp_path):
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "from . import a\n",
+        "pkg/a.py": "from . import b\n",
+        "pkg/b.py": "def f():\n    from .sub.c import thing\n",  # lazy, and through a subpackage
+        "pkg/sub/__init__.py": "",
+        "pkg/sub/c.py": "import os\nfrom ..a import name\n",
+        "pkg/d.py": "import pkg.b\n",  # on no cycle: reaches it, is not reached back
+    })
+    graph = import_graph(pkg)
+    assert graph["pkg"] == {"pkg.a"} and graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.sub.c"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+
+
+def test_checker_resolves_relative_imports_without_inventing_cycles(tmp_path):
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "from .sub import helper\nfrom . import sub\n",
+        "pkg/sub/__init__.py": "from .helper import x\nfrom .. import top\n",
+        "pkg/sub/helper.py": "from . import other\nfrom .other import y\nimport json\n",
+        "pkg/sub/other.py": "from ..top import z\n",
+        "pkg/top.py": "",
+    })
+    graph = import_graph(pkg)
+    assert graph == {"pkg": {"pkg.sub.helper", "pkg.sub"}, "pkg.sub": {"pkg.sub.helper", "pkg.top"},
+                     "pkg.sub.helper": {"pkg.sub.other"}, "pkg.sub.other": {"pkg.top"}, "pkg.top": set()}
+    assert cycles(graph) == []
+    graph["pkg.top"] = {"pkg.sub.helper"}  # a second cycle, and one through a package's __init__
+    graph["pkg.sub.other"].add("pkg.sub")
+    assert cycles(graph) == [["pkg.sub", "pkg.sub.helper", "pkg.sub.other", "pkg.sub"],
+                             ["pkg.sub.helper", "pkg.sub.other", "pkg.top", "pkg.sub.helper"]]
