@@ -139,3 +139,9 @@ def test_two_ranks_hold_half_the_state_of_one(flow, stage):
     assert one <= sum(two) <= one + 2 * 4 * cut
     for t in two:  # each rank about half: small fp32 parameters may sit on either side
         assert abs(t - one / 2) <= 2 * 4 * 1024
+
+
+def test_latest_universal_names_the_converted_folder(flow):
+    # DeepSpeed's converter writes the folder it converted into (a temporary one) into latest_universal;
+    # loading with tag=None under load_universal must find the folder the conversion produced
+    assert (flow["work"] / "ckpt" / "latest_universal").read_text().strip() == "c1_uni"

@@ -207,6 +207,15 @@ def to_universal(input_folder: str, output_folder: str, keep_fp32: bool = False,
             for name, entry in codes.items():
                 torch.save(entry.payload(first["state_names"]), _codes_file(partial, name))
         os.replace(partial, base)
+        # DeepSpeed's converter names the folder it wrote in <parent>/latest_universal: the partial one
+        latest = os.path.join(os.path.dirname(base) or ".", "latest_universal")
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                named = f.read().strip()
+            if named == os.path.basename(partial):
+                with open(latest + ".tmp", "w") as f:
+                    f.write(os.path.basename(base))
+                os.replace(latest + ".tmp", latest)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
         if not keep_fp32:
