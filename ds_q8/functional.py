@@ -49,7 +49,7 @@ MIN_BLOCK_SIZE = 64
 MAX_BLOCK_SIZE = 4096
 DEFAULT_BLOCK_SIZE = 2048
 #: states an optimizer may keep (the kernels' limit as well: csrc/includes/q8_common.h)
-MAX_STATES = 2
+MAX_STATES = 3
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
