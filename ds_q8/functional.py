@@ -51,7 +51,7 @@ DEFAULT_BLOCK_SIZE = 2048
 #: parameters smaller than this keep fp32 state by default (the optimizers' ``min_8bit_size``)
 DEFAULT_MIN_8BIT_SIZE = 4096
 #: states an optimizer may keep (the kernels' limit as well: csrc/includes/q8_common.h)
-MAX_STATES = 2
+MAX_STATES = 3
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

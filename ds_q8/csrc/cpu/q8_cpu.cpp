@@ -97,15 +97,15 @@ void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_
 // The maps of a step, checked once per call.
 struct StepMaps {
     size_t k;
-    const float* code[2];
-    const uint32_t* lookup[2];
-    const FastMap* fast[2];
+    const float* code[Q8_MAX_STATES];
+    const uint32_t* lookup[Q8_MAX_STATES];
+    const FastMap* fast[Q8_MAX_STATES];
 };
 
 StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<torch::Tensor>& lookups) {
     const size_t k = maps.size();
-    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && lookups.size() == k,
-                      "maps and lookups must be lists of the same length 1 or 2");
+    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && lookups.size() == k, "maps and lookups must be lists of ",
+                      "the same length, 1 to ", Q8_MAX_STATES, " (one per state), got ", k, " and ", lookups.size());
     StepMaps m{};
     m.k = k;
     for (size_t i = 0; i < k; ++i) {
@@ -158,8 +158,8 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
                    const StepMaps& maps, int64_t block_size, const std::vector<HyperParam>& hp) {
     const size_t k = maps.k;
     StepArgs a = tensor_args(rule, param, grad, k, block_size, hp);
-    TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k,
-                      "states, absmax, maps and lookups must be lists of the same length 1 or 2");
+    TORCH_CHECK_VALUE(states.size() == k && absmax.size() == k, "states and absmax must hold one tensor per ",
+                      "state, as maps and lookups do (", k, "), got ", states.size(), " and ", absmax.size());
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], a.numel, block_size, "state");
         a.codes[i] = states[i].data_ptr<uint8_t>();
@@ -251,7 +251,7 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
 }
 
 // The same fused step for tensors whose states are float32 (optim_bits=32, or tensors below
-// min_8bit_size): states[t] holds the 1 or 2 float32 states of tensor t, updated in place.
+// min_8bit_size): states[t] holds the 1 to Q8_MAX_STATES float32 states of tensor t, updated in place.
 void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
                     std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
                     const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
@@ -267,8 +267,10 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
     for (size_t t = 0; t < n; ++t) {
         const torch::Tensor& param = params[t];
         const size_t k = states[t].size();
-        TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && k == states[0].size(), "every tensor needs the same 1 or 2 states, ",
-                          "tensor ", t, " has ", k);
+        TORCH_CHECK_VALUE(k >= 1 && k <= (size_t)Q8_MAX_STATES, "states must hold 1 to ", Q8_MAX_STATES,
+                          " tensors per param, got ", k);
+        TORCH_CHECK_VALUE(k == states[0].size(), "every tensor needs the same number of states; tensor 0 has ",
+                          states[0].size(), ", tensor ", t, " has ", k);
         StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
         check_same_dtypes(params, grads, t, "step_fp32_many");
         set_rounding(a, sr_keys, sr_index, t, n);

@@ -5,6 +5,8 @@
 
 #include <stdint.h>
 
+#include "q8_common.h"  // Q8_MAX_STATES
+
 namespace ds_q8 {
 
 struct FastMap;  // q8_fastmap.h
@@ -23,19 +25,19 @@ struct StepArgs {
     DType param_dtype, grad_dtype;
     int64_t numel;
     int64_t block_size;
-    uint8_t* codes[2];         // state1, state2 (flat, numel each)
-    float* absmax[2];          // one float per block
-    const float* code[2];      // the 256-entry map of each state
-    const uint32_t* lookup[2]; // q8_build_lookup table of each map
-    const FastMap* fast[2];    // its segment tables, or null (q8_build_fastmap)
-    int num_states;            // 1 or 2: must be the rule's
+    uint8_t* codes[Q8_MAX_STATES];         // per state (flat, numel each)
+    float* absmax[Q8_MAX_STATES];          // one float per block
+    const float* code[Q8_MAX_STATES];      // the 256-entry map of each state
+    const uint32_t* lookup[Q8_MAX_STATES]; // q8_build_lookup table of each map
+    const FastMap* fast[Q8_MAX_STATES];    // its segment tables, or null (q8_build_fastmap)
+    int num_states;            // 1 to Q8_MAX_STATES: must be the rule's
     bool fp32_states;          // states are float32 (below): no codes, maps or absmax
-    float* states32[2];
+    float* states32[Q8_MAX_STATES];
     const HyperParam* hyper;
     int num_hyper;
     int num_threads;
     bool stochastic;           // 16-bit params: write them with stochastic rounding (q8_store_sr)
-    bool stochastic_states[2]; // requantize these 8-bit states stochastically (q8_round_stochastic)
+    bool stochastic_states[Q8_MAX_STATES]; // requantize these 8-bit states stochastically (q8_round_stochastic)
     uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
     double* error_sums;        // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x|

@@ -220,6 +220,7 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
 
 template <class I, class Rule, class P, class G>
 void step_any_state(const StepArgs* args, int count, const Rule& rule) {
+    static_assert(Rule::kStates >= 1 && Rule::kStates <= Q8_MAX_STATES, "a rule keeps 1 to Q8_MAX_STATES states");
     if (args[0].fp32_states) step_fp32_blocks<I, Rule, P, G>(args, count, rule);
     else step_blocks<I, Rule, P, G>(args, count, rule);
 }

@@ -67,8 +67,11 @@ void check_step(const torch::Tensor& param, const torch::Tensor& grad, const std
     TORCH_CHECK_VALUE(grad.numel() == param.numel(), "grad has ", grad.numel(), " elements, param has ",
                       param.numel());
     const size_t k = states.size();
-    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES && absmax.size() == k && maps.size() == k && lookups.size() == k,
-                      "states, absmax, maps and lookups must be lists of the same length 1 or 2");
+    TORCH_CHECK_VALUE(k >= 1 && k <= Q8_MAX_STATES, "states must hold 1 to ", Q8_MAX_STATES, " tensors per param, ",
+                      "got ", k);
+    TORCH_CHECK_VALUE(absmax.size() == k && maps.size() == k && lookups.size() == k, "absmax, maps and lookups must ",
+                      "hold one tensor per state (", k, "), got ", absmax.size(), ", ", maps.size(), " and ",
+                      lookups.size());
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], param.numel(), block_size, device);
         check_map(maps[i], &lookups[i], device);
@@ -108,6 +111,9 @@ StepBatch list_batch(const std::string& rule, std::vector<torch::Tensor>&& param
 
 // The rounding choices of an 8-bit step (binding::check_stochastic_choices) into the batch.
 void set_choices(StepBatch& b, bool stochastic_params, const std::vector<bool>& stochastic_states, size_t k) {
+    // before the flags are copied into the batch's Q8_MAX_STATES of them (check_step checks k >= 1 per tensor)
+    TORCH_CHECK_VALUE(k <= (size_t)Q8_MAX_STATES, "maps must hold 1 to ", Q8_MAX_STATES, " tensors (one per state), ",
+                      "got ", k);
     binding::check_stochastic_choices(b.has_keys, stochastic_states, k);
     b.stochastic = b.has_keys && stochastic_params;
     for (size_t i = 0; i < stochastic_states.size(); ++i) b.stochastic_states[i] = stochastic_states[i];
@@ -171,7 +177,7 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
         const int64_t n = b.params[t].numel();
         TORCH_CHECK_VALUE(b.grads[t].numel() == n, "grad has ", b.grads[t].numel(), " elements, param has ", n);
         TORCH_CHECK_VALUE(states[t].size() >= 1 && states[t].size() <= (size_t)Q8_MAX_STATES,
-                          "states must hold 1 or 2 tensors per param, got ", states[t].size());
+                          "states must hold 1 to ", Q8_MAX_STATES, " tensors per param, got ", states[t].size());
         for (const auto& st : states[t]) {
             check_cuda(st, "state", device);
             TORCH_CHECK_VALUE(st.scalar_type() == torch::kFloat32 && st.numel() == n, "state must be ", n,

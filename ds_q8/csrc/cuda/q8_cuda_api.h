@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "../cpu/q8_fastmap.h"
+#include "q8_common.h"  // Q8_MAX_STATES
 
 namespace ds_q8 {
 
@@ -27,7 +28,7 @@ struct StepBatch {
     int64_t block_size = 0;                        // 8-bit states only
     bool fp32_states = false;
     bool stochastic = false;                       // 16-bit params: write them with stochastic rounding
-    bool stochastic_states[2] = {false, false};    // 8-bit states requantized stochastically
+    bool stochastic_states[Q8_MAX_STATES] = {};    // 8-bit states requantized stochastically
     bool has_keys = false;                         // sr_keys/sr_index given (needed by either kind)
     std::vector<int64_t> sr_keys, sr_index;        // per tensor when has_keys: hash key, index of param[0]
     std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [2 per state] (telemetry)

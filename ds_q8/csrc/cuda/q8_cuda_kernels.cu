@@ -216,7 +216,9 @@ struct StepSlot {
     int64_t numel;
     int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
     uint32_t sr_key;
-    int32_t align_param, align_grad, align_state;  // byte alignments, capped at 16 (load_words)
+    // byte alignments, capped at 16 (load_words); one byte each, so that 36 slots of Q8_MAX_STATES = 3
+    // states still fit the parameter block
+    uint8_t align_param, align_grad, align_state;
     double* error_sums;    // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x| (telemetry)
 };
 
@@ -461,12 +463,12 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
             s.param = b.params[t].data_ptr();
             s.grad = b.grads[t].data_ptr();
             s.numel = numel;
-            s.align_param = alignment(s.param);
-            s.align_grad = alignment(s.grad);
+            s.align_param = (uint8_t)alignment(s.param);
+            s.align_grad = (uint8_t)alignment(s.grad);
             s.align_state = 16;
             for (int k = 0; k < K; ++k) {
                 s.state[k] = b.states[t][k].data_ptr();
-                s.align_state = min_alignment(s.align_state, alignment(s.state[k]));
+                s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
                 if (!b.absmax.empty()) s.absmax[k] = b.absmax[t][k].data_ptr<float>();
             }
             if (b.has_keys) {
@@ -487,6 +489,8 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
 template <class Rule, class P, class G>
 void launch_step(const StepBatch& b, const Rule& rule) {
     constexpr int K = Rule::kStates;
+    static_assert(K >= 1 && K <= Q8_MAX_STATES, "a rule keeps 1 to Q8_MAX_STATES states");
+    static_assert(sizeof(StepList) + sizeof(Rule) <= 4000, "the StepList and the rule must fit the parameter block");
     StepList list{};
     list.skip = b.skip;
     list.stochastic = b.stochastic;

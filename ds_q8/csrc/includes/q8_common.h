@@ -11,7 +11,7 @@
 // ---------------------------------------------------------------------------------------------
 // 1. Write a rule struct below:
 //      struct MyRule {
-//        static constexpr int kStates = 1 or 2;        // how many quantized states
+//        static constexpr int kStates = 1 to Q8_MAX_STATES; // how many quantized states
 //        float lr, ...;                                 // hyperparameters, already float
 //        template <class Get> Q8_HOST explicit MyRule(Get get)
 //            : lr(q8_hyper(get, "lr")), ... {}          // names = keys of the Python _hyper() dict
@@ -83,7 +83,7 @@ Q8_HD float q8_float(uint32_t u) {
 // return them from limits(), and tests/test_kernels.py and tests/test_cuda_build.py tie the two.
 constexpr int64_t Q8_MIN_BLOCK = 64;
 constexpr int64_t Q8_MAX_BLOCK = 4096;
-constexpr int Q8_MAX_STATES = 2;
+constexpr int Q8_MAX_STATES = 3;
 
 // ------------------------------------------------------------------ fp16 / bf16
 // Round to nearest even, like torch's conversions (NaN becomes a quiet NaN).
