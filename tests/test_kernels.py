@@ -225,6 +225,13 @@ def test_limits_are_shared_with_python(cpu_op):
     assert all(len(cls.state_signed) <= F.MAX_STATES for cls in ds_q8.OPTIMIZERS.values())
 
 
+def test_every_python_rule_has_its_functor(cpu_op):
+    """The rules of ds_q8/optim/rules.py and the kernels' Q8_RULES are the same set."""
+    from ds_q8.optim import rules
+
+    assert set(cpu_op.rules()) == {r.name for r in vars(rules).values() if isinstance(r, rules.Rule)}
+
+
 @pytest.mark.parametrize("rule", list(RULES))
 def test_step_is_the_kernel_path(monkeypatch, cpu_op, rule):
     """The optimizers really reach the compiled step (not the reference) for 8-bit CPU state."""
