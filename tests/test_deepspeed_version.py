@@ -9,10 +9,10 @@ were read in DeepSpeed 0.19.8; this test fails on another release so that they a
   (``fp16_groups``, ``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``,
   ``sub_group_process_groups``) bookkeeping that ``integration/zero_layout.py`` reads;
 * ``mixed_precision_linkage.get_full_hp_param``/``set_full_hp_param`` and stage 3's methods of the
-  same names, which ``zero_layout.install`` wraps for ``safe_get/set_full_optimizer_state``;
-* ``ZeROOptimizer._configure_master_weights``, wrapped by ``engine_checks.install_master_weights``;
+  same names, which ``integration/patches.py`` replaces for ``safe_get/set_full_optimizer_state``;
+* ``ZeROOptimizer._configure_master_weights``, wrapped by a row of ``integration/patches.py``;
 * ``DeepSpeedEngine._configure_zero_optimizer``, ``_configure_bf16_optimizer``, ``_load_zero_checkpoint``
-  and ``load_checkpoint``, which ``engine_hooks`` wraps;
+  and ``load_checkpoint``, which rows of ``integration/patches.py`` wrap;
 * ``grads_in_partition`` and ``averaged_gradients``, which ``ds_q8.memory.measure_model_states`` reads.
 """
 import deepspeed

@@ -196,6 +196,11 @@ class QuantizedState:
                 e = min(piece.end, s + chunk)
                 yield s, e, self._dequantize_piece(codes, absmax, maps, bs, piece, s, e)
 
+    def segment_codes(self, si: int, i: int) -> torch.Tensor:
+        """State ``i``'s codes over 8-bit segment ``si`` (a view: a segment's codes are packed together)."""
+        c0 = self.layout.segment_codes[si]
+        return self.codes()[i][c0:c0 + self.layout.segments[si].numel]
+
     def read(self, device=None) -> List[torch.Tensor]:
         """Each state's fp32 values over the whole tensor, flat (padding reads as zero)."""
         if device is None:

@@ -75,15 +75,13 @@ def report(states, names, telemetry: Optional[Telemetry]) -> dict:
     params: List[dict] = []
     for tensor, qs in states:
         layout = qs.layout
-        codes = qs.codes()
         sums = telemetry.sums.get(tensor) if telemetry is not None else None
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit:
                 continue
             entry = {"group": layout.group_index, "param": seg.param_index, "name": seg.name, "numel": seg.numel}
             for i, name in enumerate(names):
-                parts = [codes[i][p.codes_start:p.codes_start + p.numel] for p in layout.pieces_of(si)]
-                stats = _fractions(torch.cat(parts) if parts else codes[i][:0], qs.signed[i], totals[i])
+                stats = _fractions(qs.segment_codes(si, i), qs.signed[i], totals[i])
                 if sums is not None:
                     stats["err"], stats["mag"] = sums[si, i, 0], sums[si, i, 1]
                     totals[i]["err"] = totals[i]["err"] + stats["err"]
