@@ -8,6 +8,8 @@ enough that 8-bit state tracks the reference closely.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 import ds_q8
@@ -69,6 +71,40 @@ class RefLARS(torch.optim.Optimizer):
                 p.add_(buf, alpha=-g["lr"])
 
 
+class RefAdEMAMix(torch.optim.Optimizer):
+    """AdEMAMix as the paper writes it (Algorithm 1, with its alpha and beta3 schedulers)."""
+
+    def __init__(self, params, lr, betas=(0.9, 0.999, 0.9999), alpha=5.0, t_alpha=None, t_beta3=None, eps=1e-8,
+                 weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps,
+                                      weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for g in self.param_groups:
+            b1, b2, b3_final = g["betas"]
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+                st["step"] += 1
+                t = st["step"]
+                alpha, b3 = g["alpha"], b3_final
+                if g["t_alpha"]:
+                    alpha = min(t * g["alpha"] / g["t_alpha"], g["alpha"])
+                if g["t_beta3"]:
+                    f = min(t, g["t_beta3"]) / g["t_beta3"]
+                    b3 = min(math.exp(math.log(b1) * math.log(b3_final)
+                                      / ((1 - f) * math.log(b3_final) + f * math.log(b1))), b3_final)
+                st["m1"].lerp_(p.grad, 1 - b1)
+                st["m2"].lerp_(p.grad, 1 - b3)
+                st["nu"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m1_hat = st["m1"] / (1 - b1 ** t)
+                nu_hat = st["nu"] / (1 - b2 ** t)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_((m1_hat + alpha * st["m2"]) / (nu_hat.sqrt() + g["eps"]), alpha=-g["lr"])
+
+
 CASES = {
     "adam": (ds_q8.Adam8bitBlock, torch.optim.Adam, dict(lr=1e-3, weight_decay=1e-2)),
     "adamw": (ds_q8.AdamW8bitBlock, torch.optim.AdamW, dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=1e-1)),
@@ -83,6 +119,8 @@ CASES = {
     "lamb_no_decay": (ds_q8.LAMB8bitBlock, RefLAMB, dict(lr=1e-2, betas=(0.8, 0.99))),
     "lars": (ds_q8.LARS8bitBlock, RefLARS, dict(lr=1.0, weight_decay=1e-3, trust_coefficient=2e-2)),
     "lion": (ds_q8.Lion8bitBlock, RefLion, dict(lr=1e-3, weight_decay=1e-1)),
+    "ademamix": (ds_q8.AdEMAMix8bitBlock, RefAdEMAMix,
+                 dict(lr=1e-3, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=20, t_beta3=20, weight_decay=1e-2)),
 }
 
 

@@ -46,9 +46,29 @@ INVALID = {
     "impl": [("cuda", "impl must be one of ('auto', 'kernel', 'reference')"), (None, "impl must be one of")],
     "sr_seed": [(-1, "sr_seed must be an integer in [0, 4294967295]"), (2 ** 32, "sr_seed must be an integer"),
                 (1.0, "sr_seed must be an integer"), (True, "sr_seed must be an integer")],
+    "t_alpha": [(0, "t_alpha must be null (no warm-up) or an integer >= 1"), (2.5, "t_alpha must be null"),
+                (True, "t_alpha must be null")],
+    "t_beta3": [(0, "t_beta3 must be null (no warm-up) or an integer >= 1"), (-3, "t_beta3 must be null")],
 }
+# fields whose meaning is the optimizer's own: AdEMAMix has three betas and an unbounded alpha
+INVALID_FOR = {
+    "AdEMAMix8bitBlock": {
+        "betas": [((0.9, 0.999), "betas must be three values"), (0.9, "betas must be three values"),
+                  ((1.0, 0.999, 0.9999), "betas[0] must be in [0.0, 1.0)"),
+                  ((0.9, 0.999, -0.1), "betas[2] must be in [0.0, 1.0)"), ((0.9, NAN, 0.9999), "betas[1] must be a number"),
+                  ((0.0, 0.999, 0.9999), "t_beta3 needs betas[0] and betas[2] in (0, 1)")],
+        "alpha": [(-0.1, "alpha must be in [0.0, inf)"), (INF, "alpha must be in [0.0, inf)"),
+                  (NAN, "alpha must be a number")],
+    },
+}
+
+
+def invalid_cases(name: str, field: str) -> list:
+    return INVALID_FOR.get(name, {}).get(field, INVALID.get(field, []))
+
+
 CASES = [(name, field, value, text) for name, cls in sorted(ds_q8.OPTIMIZERS.items())
-         for field in constructor_keys(cls) for value, text in INVALID.get(field, [])]
+         for field in constructor_keys(cls) for value, text in invalid_cases(name, field)]
 
 
 def params():
@@ -57,14 +77,15 @@ def params():
 
 def test_every_field_has_cases():
     for name, cls in ds_q8.OPTIMIZERS.items():
-        missing = [k for k in constructor_keys(cls) if k not in INVALID]
+        missing = [k for k in constructor_keys(cls) if not invalid_cases(name, k)]
         assert not missing, f"{name}: no invalid-value cases for {missing}"
 
 
 @pytest.mark.parametrize("name, field, value, text", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]!r}" for c in CASES])
 def test_invalid_value_names_field_and_range(name, field, value, text):
+    extra = {"t_beta3": 10} if "t_beta3 needs" in text else {}
     with pytest.raises(ValueError) as e:
-        ds_q8.OPTIMIZERS[name](params(), **{field: value})
+        ds_q8.OPTIMIZERS[name](params(), **{field: value}, **extra)
     assert text in str(e.value)
     assert field.split("[")[0] in str(e.value)
 

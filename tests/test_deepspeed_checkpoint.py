@@ -27,6 +27,7 @@ SAME_SIZE = {  # tag -> config
     "s1": config(1), "s2": config(2), "s3": config(3),
     "s2_off": config(2, zero=OFFLOAD), "s2_bf16": config(2, bf16={"enabled": True}),
     "m2": config(2, "Momentum8bitBlock", lr=0.1),
+    "a2": config(2, "AdEMAMix8bitBlock", opt_params={"t_alpha": 4, "t_beta3": 4}),  # three states
 }
 TOTAL_PARAMS = 31296  # TinyLM
 BLOCK = 256
@@ -51,11 +52,15 @@ def flow(tmp_path_factory):
                 for tag, c in SAME_SIZE.items()], work, "b_resume_2ranks", ranks=2)
     to_universal(work / "ckpt" / "s2", work / "ckpt" / "s2_uni", work / "conv_s2.log")
     to_universal(work / "ckpt" / "m2", work / "ckpt" / "m2_uni", work / "conv_m2.log")
+    to_universal(work / "ckpt" / "a2", work / "ckpt" / "a2_uni", work / "conv_a2.log")
     c = launch([
         {"name": "s2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "s2_uni"],
          "dump_state": str(work / "dump_c_s2"), "save": [ck, "c1", SAVE_AT + MORE], "config": config(2, **UNIVERSAL)},
         {"name": "m2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "m2_uni"],
          "dump_state": str(work / "dump_c_m2"), "config": config(2, "Momentum8bitBlock", lr=0.1, **UNIVERSAL)},
+        {"name": "a2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "a2_uni"],
+         "dump_state": str(work / "dump_c_a2"),
+         "config": config(2, "AdEMAMix8bitBlock", opt_params={"t_alpha": 4, "t_beta3": 4}, **UNIVERSAL)},
     ] + [{"name": f"bytes_s{s}", "steps": 1, "config": config(s)} for s in (1, 2, 3)], work, "c_1rank", ranks=1)
     to_universal(work / "ckpt" / "c1", work / "ckpt" / "c1_uni", work / "conv_c1.log")
     d = launch([{"name": "c1_uni", "steps": MORE, "start_step": SAVE_AT + MORE, "load": [ck, "c1_uni"],
@@ -107,7 +112,8 @@ def _assert_carried_over(expected: dict, got: dict):
         assert torch.equal(got[name], want), (name, float((got[name] - want).abs().max()))
 
 
-@pytest.mark.parametrize("tag,cls", [("s2", ds_q8.Adam8bitBlock), ("m2", ds_q8.Momentum8bitBlock)])
+@pytest.mark.parametrize("tag,cls", [("s2", ds_q8.Adam8bitBlock), ("m2", ds_q8.Momentum8bitBlock),
+                                     ("a2", ds_q8.AdEMAMix8bitBlock)])
 def test_two_ranks_to_one_carries_state_over(flow, tag, cls):
     expected = _saved_fp32(flow["work"] / "ckpt" / tag, cls, ranks=2)
     got, dumps = _dumped(flow["work"] / f"dump_c_{tag}", ranks=1)

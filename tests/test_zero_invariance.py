@@ -31,8 +31,11 @@ pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore::Depreca
 
 WORLDS = (1, 2, 3, 4)
 STEPS, TRUST_STEPS, SAVE_AT = 6, 20, 3
-LR = {"Adam8bitBlock": 0.05, "Lion8bitBlock": 0.01, "LAMB8bitBlock": 0.01, "LARS8bitBlock": 0.1}
-FP32 = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (0, 1, 2, 3)]
+LR = {"Adam8bitBlock": 0.05, "Lion8bitBlock": 0.01, "LAMB8bitBlock": 0.01, "LARS8bitBlock": 0.1,
+      "AdEMAMix8bitBlock": 0.01}
+# AdEMAMix: three states, two of them signed, through the same layouts and shared blocks
+ELEMENTWISE = ("Adam8bitBlock", "Lion8bitBlock", "AdEMAMix8bitBlock")
+FP32 = [(o, s) for o in ELEMENTWISE for s in (0, 1, 2, 3)]
 BF16 = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]
 TRUST = [(o, s) for o in ("LAMB8bitBlock", "LARS8bitBlock") for s in (0, 1, 2, 3)]
 BF16_MASTER = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]  # stochastic rounding on
@@ -88,7 +91,7 @@ def _convert(ck: Path, tag: str, work: Path):
 def runs(tmp_path_factory):
     work = tmp_path_factory.mktemp("invariance")
     ck = work / "ckpt"
-    plain_jobs = [_job(f"plain_{o}", o, None, STEPS) for o in ("Adam8bitBlock", "Lion8bitBlock")]
+    plain_jobs = [_job(f"plain_{o}", o, None, STEPS) for o in ELEMENTWISE]
     plain_jobs += [_job(f"plain_trust_{o}", o, None, TRUST_STEPS) for o in ("LAMB8bitBlock", "LARS8bitBlock")]
     (work / "plain").mkdir()
     for job in plain_jobs:

@@ -174,4 +174,20 @@ def _lion(p, g, states, h):
 LION = Rule("lion", ("exp_avg",), (True,), _lion)
 
 
-__all__ = ["Rule", "ADAM", "ADAMW", "MOMENTUM", "RMSPROP", "RMSPROP_MOMENTUM", "ADAGRAD", "LAMB", "LARS", "LION"]
+# ---------------------------------------------------------------------------- AdEMAMix
+def _ademamix(p, g, states, h):
+    m1, m2, nu = states
+    if h["weight_decay"] != 0.0:
+        p.mul_(h["decay_factor"])
+    m1.mul_(h["beta1"]).add_(g * h["one_minus_beta1"])
+    m2.mul_(h["beta3"]).add_(g * h["one_minus_beta3"])
+    nu.mul_(h["beta2"]).add_((g * g) * h["one_minus_beta2"])
+    denom = (sqrt_rn(nu) * (1.0 / h["bias_correction2_sqrt"])).add_(h["eps"])
+    num = m1 * (1.0 / h["bias_correction1"]) + m2 * h["alpha"]
+    p.sub_((num / denom) * h["lr"])
+
+
+ADEMAMIX = Rule("ademamix", ("exp_avg", "exp_avg_slow", "exp_avg_sq"), (True, True, False), _ademamix)
+
+
+__all__ = ["Rule", "ADEMAMIX", "ADAM", "ADAMW", "MOMENTUM", "RMSPROP", "RMSPROP_MOMENTUM", "ADAGRAD", "LAMB", "LARS", "LION"]

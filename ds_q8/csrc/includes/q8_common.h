@@ -337,6 +337,41 @@ struct AdamRule {
     }
 };
 
+// AdEMAMix (Pagliardini et al., 2024), decoupled weight decay as AdamW; states: m1 (fast EMA), m2 (slow
+// EMA), nu (second moment). beta3 and alpha are this step's values, scheduled in Python.
+struct AdEMAMixRule {
+    static constexpr int kStates = 3;
+    float beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, eps, decay_factor, alpha, lr,
+        inv_bias_correction1, inv_bias_correction2_sqrt;
+    bool has_weight_decay;
+
+    template <class Get>
+    Q8_HOST explicit AdEMAMixRule(Get get)
+        : beta1(q8_hyper(get, "beta1")), one_minus_beta1(q8_hyper(get, "one_minus_beta1")),
+          beta2(q8_hyper(get, "beta2")), one_minus_beta2(q8_hyper(get, "one_minus_beta2")),
+          beta3(q8_hyper(get, "beta3")), one_minus_beta3(q8_hyper(get, "one_minus_beta3")),
+          eps(q8_hyper(get, "eps")), decay_factor(q8_hyper(get, "decay_factor")), alpha(q8_hyper(get, "alpha")),
+          lr(q8_hyper(get, "lr")),
+          // the reference multiplies by python reciprocals, divided in double then rounded
+          inv_bias_correction1((float)(1.0 / get("bias_correction1"))),
+          inv_bias_correction2_sqrt((float)(1.0 / get("bias_correction2_sqrt"))),
+          has_weight_decay(get("weight_decay") != 0.0) {}
+
+    template <class V>
+    Q8_HD void operator()(V& p, V g, V* s) const {
+        if (has_weight_decay) p = p * V(decay_factor);
+        V m1 = s[0] * V(beta1) + g * V(one_minus_beta1);
+        V m2 = s[1] * V(beta3) + g * V(one_minus_beta3);
+        V nu = s[2] * V(beta2) + (g * g) * V(one_minus_beta2);
+        V denom = q8_sqrt(nu) * V(inv_bias_correction2_sqrt) + V(eps);
+        V num = m1 * V(inv_bias_correction1) + m2 * V(alpha);
+        p = p - (num / denom) * V(lr);
+        s[0] = m1;
+        s[1] = m2;
+        s[2] = nu;
+    }
+};
+
 // torch.optim.SGD with momentum (ds_q8.optim.momentum.Momentum8bitBlock), state: momentum_buffer.
 struct MomentumRule {
     static constexpr int kStates = 1;
@@ -497,6 +532,7 @@ struct LionRule {
     X("adagrad", AdagradRule)                   \
     X("lamb", LambRule)                         \
     X("lars", LarsRule)                         \
-    X("lion", LionRule)
+    X("lion", LionRule)                         \
+    X("ademamix", AdEMAMixRule)
 
 }  // namespace ds_q8
