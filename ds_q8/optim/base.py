@@ -360,6 +360,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 return loss
         steps, counters = [], []
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
+        states_random = {id(g): any(self.stochastic_states(g)) for g in self.param_groups}
         for group, p in work:
             self._adopt_fp32_state(p, self.state[p])
             qs = self.quantized_state(p, group)
@@ -373,7 +374,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if h is None:
                 h = hypers[(id(group), count)] = self._hyper(group, count)
             layout = qs.layout
-            random = self.stochastic_params(group, p) or (layout.has8 and any(self.stochastic_states(group)))
+            random = self.stochastic_params(group, p) or (layout.has8 and states_random[id(group)])
             sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, len(self.state_signed),
                                                                                  count)
             t = S.TensorStep(p, p.grad, qs, group, h, None,

@@ -74,6 +74,8 @@ class QuantizedState:
         self.signed = tuple(signed)
         self.quantization = quantization
         self._views = None
+        k = len(self.signed)
+        self._keys = {key: tuple(key(i) for i in range(k)) for key in (codes_key, absmax_key, fp32_key)}
 
     @property
     def num_states(self) -> int:
@@ -109,18 +111,19 @@ class QuantizedState:
     def stored(self, key) -> Tuple[torch.Tensor, ...]:
         """Each state's stored tensor under ``key`` (:func:`codes_key`, :func:`absmax_key` or
         :func:`fp32_key`), in its stored shape."""
-        return tuple(self.entry[key(i)] for i in range(self.num_states))
+        entry = self.entry
+        return tuple(entry[k] for k in self._keys[key])
 
     def codes(self) -> List[torch.Tensor]:
         """Flat views of each state's packed codes."""
-        return [self.entry[codes_key(i)].view(-1) for i in range(self.num_states)]
+        return [self.entry[k].view(-1) for k in self._keys[codes_key]]
 
     def absmax(self) -> List[torch.Tensor]:
-        return [self.entry[absmax_key(i)] for i in range(self.num_states)]
+        return [self.entry[k] for k in self._keys[absmax_key]]
 
     def fp32(self) -> List[torch.Tensor]:
         """Flat views of each state's fp32 values."""
-        return [self.entry[fp32_key(i)].view(-1) for i in range(self.num_states)]
+        return [self.entry[k].view(-1) for k in self._keys[fp32_key]]
 
     def maps(self, device) -> List[torch.Tensor]:
         return [F.state_map(self.quantization, s, device) for s in self.signed]

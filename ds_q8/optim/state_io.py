@@ -12,6 +12,7 @@ not know. State saved as fp32 under torch's or the universal checkpoint's names 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -47,12 +48,17 @@ def marker(optimizer: str, state_names, state_signed, layouts: dict) -> dict:
             "state_signed": list(state_signed), "layouts": layouts}
 
 
+@functools.lru_cache(maxsize=None)
+def _fp32_keys(names: tuple) -> frozenset:
+    return frozenset(names + UNIVERSAL_STATE_NAMES)
+
+
 def fp32_names_in(st: dict, state_names: Sequence[str]) -> Optional[tuple]:
     """Which fp32 naming (torch's, then universal) ``st`` uses for its states, if any: one name per
     state, None for a state that the universal naming does not carry."""
     names = tuple(state_names)
-    if not names or not any(torch.is_tensor(st.get(n)) for n in names + UNIVERSAL_STATE_NAMES):
-        return None  # the usual case: one pass over a few keys
+    if _fp32_keys(names).isdisjoint(st):
+        return None  # the usual case, one set test per tensor and step
     candidates = [names]
     try:
         candidates.append(universal_names_for(names))
