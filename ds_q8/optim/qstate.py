@@ -104,10 +104,6 @@ class QuantizedState:
         return qs
 
     # ------------------------------------------------------------------ storage
-    @property
-    def step(self) -> torch.Tensor:
-        return self.entry["step"]
-
     def stored(self, key) -> Tuple[torch.Tensor, ...]:
         """Each state's stored tensor under ``key`` (:func:`codes_key`, :func:`absmax_key` or
         :func:`fp32_key`), in its stored shape."""
