@@ -178,7 +178,7 @@ def attach(wrapper) -> int:
         comm = comms.setdefault(id(part.process_group), TorchDistComm(part.process_group))
         layout = StateLayout(part.tensor.shape, part.segments, part.group["block_size"], comm=comm,
                              slots=part_slots, num_slots=len(part_slots), num_params=len(part.params),
-                             group=part.group)
+                             group=part.group, param_shapes=part.shapes)
         base.register_layout(part.tensor, layout)
         held = {seg.param_index: si for si, seg in enumerate(layout.segments)}
         for idx, (p, shape) in enumerate(zip(part.params, part.shapes)):
@@ -191,7 +191,7 @@ def attach(wrapper) -> int:
 def _full_state(link: ParamLink, key: str, device) -> torch.Tensor:
     """One parameter's dequantized state ``key``, assembled across ranks (a collective)."""
     opt = link.optimizer
-    opt.check_state_name(key)
+    opt.check_state_name(key, link.tensor)
     buf = torch.zeros(link.numel, dtype=torch.float32, device=device)
     if link.segment is not None:
         seg = opt.layout_of(link.tensor).segments[link.segment]
@@ -202,7 +202,7 @@ def _full_state(link: ParamLink, key: str, device) -> torch.Tensor:
 
 def _set_full_state(link: ParamLink, key: str, value: torch.Tensor) -> None:
     opt = link.optimizer
-    opt.check_state_name(key)
+    opt.check_state_name(key, link.tensor)
     if value.numel() != link.numel:
         raise ValueError(f"optimizer state '{key}' of a parameter of {link.numel} elements cannot be set "
                          f"from a tensor of {value.numel()}")

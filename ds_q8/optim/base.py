@@ -65,7 +65,9 @@ def _with_options(init) -> inspect.Signature:
 
 class Optimizer8bitBlock(torch.optim.Optimizer):
     #: the update rule (``rules.py``); a subclass may instead set the three names below, which
-    #: otherwise mirror the rule: the kernels' name for it, the states' names and their maps
+    #: otherwise mirror the rule: the kernels' name for it, the states' names and their maps.
+    #: An optimizer whose groups run different rules (Muon and its auxiliary AdamW) overrides
+    #: :meth:`rule_for`; ``rule`` stays the class's default, the one its class-level names describe.
     rule: Rule = Rule("", (), (), None)
     update_rule: str = ""
     state_names: tuple = ()
@@ -115,6 +117,17 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self._pending_skips = NF.PendingSkips()
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
         super().__init__(params, dict(options, **defaults))
+
+    def rule_for(self, group: dict) -> Rule:
+        """The rule that steps ``group``'s tensors (every group: :attr:`rule`, unless overridden).
+
+        Everything that depends on a tensor's states (their number, names and maps, the storage
+        keys, the saved marker, the step) asks this, through :meth:`rule_of` for a tensor."""
+        return self.rule
+
+    def rule_of(self, p: torch.Tensor) -> Rule:
+        """The rule of an optimized tensor's group (a ZeRO partition's: its layout's group)."""
+        return self.rule_for(self._state_group(p))
 
     def _use_rule(self, rule: Rule) -> None:
         """Give this instance its own rule (an optimizer whose states depend on its arguments)."""
@@ -175,10 +188,10 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
 
     def stochastic_states(self, group: dict) -> tuple:
         """Which states are requantized with stochastic rounding (see ``step.stochastic_states``)."""
-        return S.stochastic_states(group, self.state_signed)
+        return S.stochastic_states(group, self.rule_for(group).state_signed)
 
     def _maps(self, group: dict, device) -> List[torch.Tensor]:
-        return S.maps_of(self.rule, group, device)
+        return S.maps_of(self.rule_for(group), group, device)
 
     # ------------------------------------------------------------------ layouts
     def register_layout(self, tensor: torch.Tensor, layout: StateLayout) -> None:
@@ -193,7 +206,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         layout = self._layouts.get(p)
         if layout is None:
             group = self._find_group(p) if group is None else group
-            if self.needs_norms and id(p) not in self._given_ids:
+            if self.rule_for(group).needs_norms and id(p) not in self._given_ids:
                 gi = next((i for i, g in enumerate(self.param_groups) if g is group), "?")
                 raise RuntimeError(
                     f"{type(self).__name__} scales each parameter's update by a norm of the whole parameter, but "
@@ -237,8 +250,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         qs = self._qstates.get(p)
         if qs is None or qs.entry is not entry:
             group = self._state_group(p) if group is None else group
-            qs = self._qstates[p] = QuantizedState(entry, self.layout_of(p, group), self.state_signed,
-                                                   group["quantization"])
+            qs = self._qstates[p] = QuantizedState(entry, self.layout_of(p, group),
+                                                   self.rule_for(group).state_signed, group["quantization"])
         if create and "step" not in entry:
             return self._create_state(p, group, entry)
         return qs
@@ -247,8 +260,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """Fresh state for ``p`` (its step 0), in ``entry`` or a new entry of ``self.state``."""
         group = self._state_group(p) if group is None else group
         entry = {} if entry is None else entry
-        qs = QuantizedState.create(entry, self.layout_of(p, group), self.state_signed, group["quantization"],
-                                   p.device, self._initial_state(group))
+        qs = QuantizedState.create(entry, self.layout_of(p, group), self.rule_for(group).state_signed,
+                                   group["quantization"], p.device, self._initial_state(group))
         self.state[p] = entry
         self._qstates[p] = qs
         return qs
@@ -257,11 +270,14 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def is_8bit_state(state: dict) -> bool:
         return is_8bit(state)
 
-    def check_state_name(self, name) -> None:
-        """Raise ValueError unless ``name`` is one of this optimizer's state names."""
-        if name not in self.state_names:
-            raise ValueError(f"{type(self).__name__} has no optimizer state {name!r}; its states are "
-                             f"{', '.join(repr(n) for n in self.state_names)}")
+    def check_state_name(self, name, tensor: Optional[torch.Tensor] = None) -> None:
+        """Raise ValueError unless ``name`` is one of this optimizer's state names (of ``tensor``'s
+        rule when given: with a rule per group, a tensor's states are its group's)."""
+        names = self.state_names if tensor is None else self.rule_of(tensor).state_names
+        if name not in names:
+            whose = "" if tensor is None or names == self.state_names else " for this parameter's group"
+            raise ValueError(f"{type(self).__name__} has no optimizer state {name!r}{whose}; its states are "
+                             f"{', '.join(repr(n) for n in names)}")
 
     def dequantized_state(self, p: torch.Tensor) -> Dict[str, torch.Tensor]:
         """fp32 copies of ``p``'s state under torch's names (empty before the first step).
@@ -270,7 +286,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if not has_storage(self.state.get(p, {})):
             return {}
         qs = self.quantized_state(p)
-        return {name: v.view(qs.layout.shape) for name, v in zip(self.state_names, qs.read(p.device))}
+        return {name: v.view(qs.layout.shape) for name, v in zip(self.rule_of(p).state_names, qs.read(p.device))}
 
     def load_dequantized_state(self, p: torch.Tensor, values: Dict[str, torch.Tensor], step,
                                shared_absmax: Optional[Dict[int, List[float]]] = None) -> None:
@@ -280,11 +296,12 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         partition edges), unless ``shared_absmax`` gives them (slot -> one value per state): call it
         on every rank then."""
         layout = self.layout_of(p, self._state_group(p))
-        missing = [n for n in self.state_names if n not in values]
+        names = self.rule_of(p).state_names
+        missing = [n for n in names if n not in values]
         if missing:
-            raise KeyError(f"state for {self.__class__.__name__} needs {list(self.state_names)}, missing {missing}")
+            raise KeyError(f"state for {self.__class__.__name__} needs {list(names)}, missing {missing}")
         flat = []
-        for name in self.state_names:
+        for name in names:
             v = values[name].detach().to(device=p.device, dtype=torch.float32).reshape(-1)
             if v.numel() != layout.numel:
                 raise ValueError(f"state '{name}' has {v.numel()} elements, the tensor has {layout.numel}")
@@ -297,17 +314,17 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
 
     def segment_state(self, tensor: torch.Tensor, si: int, name: str) -> torch.Tensor:
         """fp32 values of state ``name`` over segment ``si`` of an optimized tensor."""
-        self.check_state_name(name)
-        return self.quantized_state(tensor).read_segment(si, self.state_names.index(name))
+        self.check_state_name(name, tensor)
+        return self.quantized_state(tensor).read_segment(si, self.rule_of(tensor).state_names.index(name))
 
     def set_segment_state(self, tensor: torch.Tensor, si: int, name: str, param_values: torch.Tensor) -> None:
         """Set state ``name`` of segment ``si`` from the whole parameter's fp32 values (requantizing;
         see :meth:`QuantizedState.write_segment`)."""
-        self.check_state_name(name)
+        self.check_state_name(name, tensor)
         v = param_values.detach().to(device=tensor.device, dtype=torch.float32).reshape(-1)
         if not bool(torch.isfinite(v).all()):
             raise ValueError(f"optimizer state '{name}' must be finite")
-        self.quantized_state(tensor).write_segment(si, self.state_names.index(name), v)
+        self.quantized_state(tensor).write_segment(si, self.rule_of(tensor).state_names.index(name), v)
 
     # ------------------------------------------------------------------ telemetry
     def track_quantization(self, every: Optional[int] = 1) -> None:
@@ -320,7 +337,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         in total and per parameter (``optim/telemetry.py``). The code fractions need no tracking; the
         error needs :meth:`track_quantization` (None otherwise)."""
         self.settle()
-        states = [(p, self.quantized_state(p, create=False)) for p, st in self.state.items() if is_8bit(st)]
+        # the tensors of the class's rule (with a rule per group, the report covers those groups)
+        states = [(p, self.quantized_state(p, create=False)) for p, st in self.state.items()
+                  if is_8bit(st) and self.rule_of(p).state_names == self.state_names]
         return telemetry.report(states, self.state_names, self._telemetry)
 
     # ------------------------------------------------------------------ step
@@ -358,7 +377,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                     )
                 NF.report_skip(self)
                 return loss
-        steps, counters = [], []
+        # tensor steps by rule, in the order the groups first use them (one rule: one list, as before)
+        by_rule: Dict[int, tuple] = {}
+        counters = []
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
         states_random = {id(g): any(self.stochastic_states(g)) for g in self.param_groups}
         for group, p in work:
@@ -374,15 +395,16 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if h is None:
                 h = hypers[(id(group), count)] = self._hyper(group, count)
             layout = qs.layout
+            rule = self.rule_for(group)
             random = self.stochastic_params(group, p) or (layout.has8 and states_random[id(group)])
-            sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, len(self.state_signed),
-                                                                                 count)
+            sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, rule.num_states, count)
             t = S.TensorStep(p, p.grad, qs, group, h, None,
                              rounding.step_key(group.get("sr_seed", 0), count) if random else None, sums)
-            if self.needs_norms:
-                t = t._replace(segment_hyper=S.segment_hypers(self.rule, t))
-            steps.append(t)
-        S.step(self.rule, steps, skip=flag)
+            if rule.needs_norms:
+                t = t._replace(segment_hyper=S.segment_hypers(rule, t))
+            by_rule.setdefault(id(rule), (rule, []))[1].append(t)
+        for rule, steps in by_rule.values():
+            S.step(rule, steps, skip=flag)
         if flag is not None:
             self._pending_skips.add(flag, counters)
         return loss
@@ -417,14 +439,19 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self.settle()
         sd = super().state_dict()
-        layouts, index = {}, 0
+        layouts, tensor_states, index = {}, {}, 0
         for group in self.param_groups:
+            rule = self.rule_for(group)
             for p in group["params"]:
                 if p in self.state:
                     layouts[index] = self.layout_of(p, group).describe()
+                    if rule.state_names != self.state_names or rule.state_signed != self.state_signed:
+                        tensor_states[index] = state_io.tensor_states(rule.state_names, rule.state_signed)
                 index += 1
+        # entries whose group runs the class's rule are described by the marker's names; only the others
+        # name their states (so an optimizer with one rule writes the marker it always wrote)
         sd[state_io.STATE_DICT_MARKER] = state_io.marker(type(self).__name__, self.state_names, self.state_signed,
-                                                         layouts)
+                                                         layouts, tensor_states)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -454,7 +481,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         when the state was replaced. On a sharded ZeRO partition requantizing takes an all-reduce, so
         it happens only when every rank does it together (``collective=True``, as the checkpoint hook
         and :meth:`adopt_loaded_state` do)."""
-        names = state_io.fp32_names_in(state, self.state_names)
+        state_names = self.rule_of(p).state_names
+        names = state_io.fp32_names_in(state, state_names)
         if names is None:
             return False  # the usual case: one set test per tensor and step
         layout = self.layout_of(p, self._state_group(p))
@@ -462,8 +490,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             raise RuntimeError(
                 f"{type(self).__name__}: fp32 state ({', '.join(names)}) was written into a ZeRO partition "
                 "outside a checkpoint load; call optimizer.adopt_loaded_state() on every rank before stepping")
-        values = {tn: state[n] for tn, n in zip(self.state_names, names) if n is not None}
-        absent = [tn for tn in self.state_names if tn not in values]
+        values = {tn: state[n] for tn, n in zip(state_names, names) if n is not None}
+        absent = [tn for tn in state_names if tn not in values]
         if absent:  # a universal checkpoint without ds_q8's codes carries two states only
             warnings.warn(f"{type(self).__name__}: the checkpoint has no {', '.join(absent)} (a universal checkpoint "
                           "written without ds_q8's codes carries exp_avg and exp_avg_sq only); starting it from zero",
@@ -491,7 +519,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """Requantize fp32 state of one sharded tensor if any rank has some; call on every rank."""
         st = self.state[p]
         layout = self._layouts[p]
-        has = state_io.fp32_names_in(st, self.state_names) is not None
+        has = state_io.fp32_names_in(st, self.rule_of(p).state_names) is not None
         flag = torch.tensor([1.0 if has else 0.0])
         layout.comm.all_reduce_max(flag)
         if float(flag) == 0.0:
@@ -499,7 +527,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if has:
             return self._adopt_fp32_state(p, st, collective=True)
         # another rank got fp32 state for this tensor: requantize what is here along with it
-        values = self.dequantized_state(p) or {n: torch.zeros(layout.numel) for n in self.state_names}
+        values = self.dequantized_state(p) or {n: torch.zeros(layout.numel) for n in self.rule_of(p).state_names}
         self.load_dequantized_state(p, values, st.get("step", 0))
         return False
 

@@ -43,9 +43,30 @@ def universal_names_for(state_names) -> tuple:
     return UNIVERSAL_STATE_NAMES[:k]
 
 
-def marker(optimizer: str, state_names, state_signed, layouts: dict) -> dict:
-    return {"optimizer": optimizer, "format": STATE_FORMAT, "state_names": list(state_names),
-            "state_signed": list(state_signed), "layouts": layouts}
+def marker(optimizer: str, state_names, state_signed, layouts: dict, tensor_states: Optional[dict] = None) -> dict:
+    """The marker; ``tensor_states`` (entry -> :func:`tensor_states`) only for the entries whose group
+    runs another rule than the optimizer's class rule (Muon's matrices beside its AdamW). Without such
+    entries the key is absent, so an optimizer with one rule writes exactly what it always wrote."""
+    out = {"optimizer": optimizer, "format": STATE_FORMAT, "state_names": list(state_names),
+           "state_signed": list(state_signed), "layouts": layouts}
+    if tensor_states:
+        out["tensor_states"] = tensor_states
+    return out
+
+
+def tensor_states(state_names, state_signed) -> dict:
+    """One entry's own state names and maps, for the marker's ``tensor_states``."""
+    return {"state_names": list(state_names), "state_signed": list(state_signed)}
+
+
+def states_of_entry(mark: dict, pid, state_names, state_signed) -> Tuple[tuple, tuple]:
+    """The state names and maps of saved entry ``pid``: its own where the marker lists them, else the
+    marker's (else the given ones)."""
+    own = (mark.get("tensor_states") or {})
+    own = own.get(pid, own.get(str(pid)))
+    if own is not None:
+        return tuple(own["state_names"]), tuple(own["state_signed"])
+    return tuple(mark.get("state_names", state_names)), tuple(mark.get("state_signed", state_signed))
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,9 +110,6 @@ def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = F
     ``universal``, DeepSpeed's). The names, maps and layouts come from the saved marker where it has
     them. A ZeRO partition's values are partition-long, with zeros in padding."""
     mark = state_dict.get(STATE_DICT_MARKER) or {}
-    state_names = tuple(mark.get("state_names", state_names))
-    signed = tuple(mark.get("state_signed", state_signed))
-    names = universal_names_for(state_names) if universal else state_names
     groups = state_dict["param_groups"]
     group_of = {pid: g for g in groups for pid in g["params"]}
     out_state = {}
@@ -99,7 +117,9 @@ def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = F
         g = group_of.get(pid)
         if g is None:
             raise ValueError(f"state entry {pid} belongs to no parameter group")
-        if not st or fp32_names_in(st, state_names) == tuple(names):
+        entry_names, signed = states_of_entry(mark, pid, state_names, state_signed)
+        names = universal_names_for(entry_names) if universal else entry_names
+        if not st or fp32_names_in(st, entry_names) == tuple(names):
             out_state[pid] = copy.copy(st)
             continue
         desc = _saved_layout(mark, pid)
@@ -131,16 +151,22 @@ def plan_load(opt, state_dict: dict) -> List[Tuple[torch.Tensor, dict]]:
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved_groups)} parameter groups, this optimizer has {len(opt.param_groups)}")
-    known = storage_keys(len(opt.state_names)) | frozenset(opt.state_names) | frozenset(UNIVERSAL_STATE_NAMES)
     plans = []
     for gi, (sg, g) in enumerate(zip(saved_groups, opt.param_groups)):
         if len(sg["params"]) != len(g["params"]):
             raise ValueError(
                 f"group {gi}: checkpoint has {len(sg['params'])} parameters, optimizer has {len(g['params'])}")
+        rule = opt.rule_for(g)
+        known = storage_keys(rule.num_states) | frozenset(rule.state_names) | frozenset(UNIVERSAL_STATE_NAMES)
         for pid, p in zip(sg["params"], g["params"]):
             st = saved_state.get(pid)
             if not st:
                 continue
+            saved_names, _ = states_of_entry(mark, pid, opt.state_names, opt.state_signed)
+            if saved_names != tuple(rule.state_names):
+                raise ValueError(f"checkpoint state of tensor {pid} (group {gi}) keeps states {list(saved_names)}, "
+                                 f"this {type(opt).__name__} keeps {list(rule.state_names)} for its group: the "
+                                 "groups were split or tagged differently (e.g. use_muon)")
             bad = sorted(str(k) for k in st if k not in known)
             if bad:
                 raise ValueError(f"checkpoint state of tensor {pid} has unknown keys {bad}; "
@@ -176,9 +202,10 @@ def _check_marker(mark: dict, opt) -> None:
 def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict, mark: dict, pid) -> None:
     """Check one saved tensor's state against the live tensor."""
     layout = opt.layout_of(p, group)
+    rule = opt.rule_for(group)
     if "step" not in st:
         raise ValueError(f"checkpoint state for a tensor of shape {tuple(p.shape)} lacks 'step'")
-    fp32_names = fp32_names_in(st, opt.state_names)
+    fp32_names = fp32_names_in(st, rule.state_names)
     if fp32_names is not None:
         for n in filter(None, fp32_names):
             if st[n].numel() != layout.numel:
@@ -208,9 +235,10 @@ def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict,
             f"{desc['shape']}, this rank holds {len(layout.segments)} over {list(layout.shape)}. To resume at "
             "another world size convert the checkpoint: python -m ds_q8.checkpoint to-universal CKPT/TAG "
             "CKPT/TAG_universal, then load it with \"checkpoint\": {\"load_universal\": true}")
-    QuantizedState({}, layout, opt.state_signed, group["quantization"]).check_saved(
+    QuantizedState({}, layout, rule.state_signed, group["quantization"]).check_saved(
         st, f"a tensor of shape {tuple(p.shape)}", type(opt).__name__)
 
 
 __all__ = ["STATE_DICT_MARKER", "STATE_FORMAT", "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
+           "tensor_states", "states_of_entry",
            "fp32_names_in", "export_fp32", "plan_load", "restored_entry"]
