@@ -110,7 +110,7 @@ class StateLayout:
     def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
                  comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
                  num_slots: int = 0, num_params: Optional[int] = None, group: Optional[dict] = None,
-                 group_index: int = 0):
+                 group_index: int = 0, param_shapes: Optional[Sequence[tuple]] = None):
         self.shape = tuple(shape)
         self.numel = 1
         for d in self.shape:
@@ -128,6 +128,12 @@ class StateLayout:
         #: sums such as LAMB's norms are all-reduced as vectors of this length)
         self.num_params = int(num_params) if num_params is not None else 1 + max(
             (s.param_index for s in self.segments), default=-1)
+        #: each original parameter's shape, by ``param_index`` (None: unknown; an ordinary parameter's
+        #: is the tensor's). Whole-matrix rules (Muon) need it to see a partition's slices as matrices;
+        #: not part of :meth:`describe`, so saved layouts are unchanged.
+        self.param_shapes = None if param_shapes is None else tuple(tuple(int(d) for d in s) for s in param_shapes)
+        #: payload bytes this tensor sent into whole-matrix exchanges (``step._exchange``), a measurement
+        self.exchanged_bytes = 0
         prev = 0
         for s in self.segments:
             if s.start < prev or s.end > self.numel or s.numel < 0:

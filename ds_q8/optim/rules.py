@@ -10,9 +10,15 @@ written one IEEE operation per line so that a compiled kernel can reproduce it e
 Rules scaled by a whole-parameter norm (LAMB, LARS) also give ``norm_terms``, the tensors whose
 norms over the whole parameter the step needs (read-only: ``states`` are scratch copies), and
 ``norm_hyper``, the step scalars once those norms are known.
+
+Whole-matrix rules (Muon) give ``matrix``: their element-wise ``update`` changes the states and
+writes the matrix's *direction* into its ``p`` argument (an fp32 scratch shaped like the tensor,
+not the parameter); ``matrix(d, h)`` maps a whole matrix's direction to its step (Newton-Schulz),
+and ``apply(p, o, h)`` steps the parameter by it, element-wise (``step.py``: the matrix path).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -31,10 +37,16 @@ class Rule:
     update: Callable[[torch.Tensor, torch.Tensor, List[torch.Tensor], Hyper], None]
     norm_terms: Optional[Callable] = None
     norm_hyper: Optional[Callable[[Hyper, List[float]], Hyper]] = None
+    matrix: Optional[Callable[[torch.Tensor, Hyper], torch.Tensor]] = None
+    apply: Optional[Callable[[torch.Tensor, torch.Tensor, Hyper], None]] = None
 
     @property
     def num_states(self) -> int:
         return len(self.state_names)
+
+    @property
+    def is_matrix(self) -> bool:
+        return self.matrix is not None
 
     @property
     def needs_norms(self) -> bool:
@@ -190,4 +202,107 @@ def _ademamix(p, g, states, h):
 ADEMAMIX = Rule("ademamix", ("exp_avg", "exp_avg_slow", "exp_avg_sq"), (True, True, False), _ademamix)
 
 
-__all__ = ["Rule", "ADEMAMIX", "ADAM", "ADAMW", "MOMENTUM", "RMSPROP", "RMSPROP_MOMENTUM", "ADAGRAD", "LAMB", "LARS", "LION"]
+# ---------------------------------------------------------------------------- Muon
+# DeepSpeed 0.19.8's Muon (deepspeed/runtime/zero/muon/original_muon.py: muon_update and the two
+# Newton-Schulz iterations), with the same coefficients, normalization, Gram restart and update
+# scaling, but always in float32 (DeepSpeed casts to bf16/fp16 where the accelerator has them) and
+# with torch.lerp written out one IEEE operation at a time, so that a slice of the element-wise
+# part computes the same bits wherever a partition edge falls.
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_METHODS = ("gram", "standard")
+
+
+def newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """DeepSpeed's ``zeropower_via_newtonschulz5`` in float32: the quintic iteration on X."""
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(torch.float32)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = X @ X.mT
+        B = b * A + c * A @ A
+        X = a * X + B @ X
+    return X.mT if tall else X
+
+
+def gram_newton_schulz(G: torch.Tensor, steps: int) -> torch.Tensor:
+    """DeepSpeed's ``zeropower_via_gram_newtonschulz`` in float32: the same polynomial iterated on the
+    small Gram matrix R = X X^T, restarted at iteration 2; square matrices take the standard iteration."""
+    a, b, c = NS_COEFFICIENTS
+    X = G.to(torch.float32)
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    n, m = X.size(-2), X.size(-1)
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    if m <= n:
+        for _ in range(steps):
+            A = X @ X.mT
+            B = b * A + c * A @ A
+            X = a * X + B @ X
+        return X.mT if tall else X
+    R = X @ X.mT
+    Q = None
+    restart_at = 2
+    for i in range(steps):
+        if i == restart_at and i != 0:
+            X = Q @ X
+            R = X @ X.mT
+            Q = None
+        Z = b * R + c * R @ R
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = a * Q + Z @ Q
+        if i < steps - 1 and (i + 1) != restart_at:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    return X.mT @ Q.mT if tall else Q @ X
+
+
+def muon_scale(shape) -> float:
+    """DeepSpeed's update scaling: sqrt(rows / cols) when rows > cols, else 1 (rows, cols: the last two
+    dimensions of the parameter, as ``muon_update`` reads them from the gradient)."""
+    rows, cols = shape[-2], shape[-1]
+    return math.sqrt(rows / cols) if rows > cols else 1.0
+
+
+def _muon_momentum(d, g, states, h):
+    (m,) = states
+    # momentum.lerp_(grad, 1 - beta): torch's lerp below weight 0.5 is self + w * (end - self)
+    m.add_((g - m) * h["one_minus_beta"])
+    if h["nesterov"]:
+        # grad.lerp(momentum, beta): at weight >= 0.5 torch computes end - (end - self) * (1 - w)
+        d.copy_(m - (m - g) * h["one_minus_beta"])
+    else:
+        d.copy_(m)
+    d.add_(0.0)  # -0.0 -> +0.0: the sharded exchange sums slices with zeros, which does the same
+
+
+def _muon_matrix(d: torch.Tensor, h) -> torch.Tensor:
+    shape = d.shape
+    x = d.reshape(shape[0], -1) if d.ndim > 2 else d  # conv filters as DeepSpeed views them
+    ns = gram_newton_schulz if h["ns_gram"] else newton_schulz
+    o = ns(x, int(h["ns_steps"]))
+    o.mul_(muon_scale(shape))
+    return o.reshape(shape)
+
+
+def _muon_apply(p, o, h):
+    # p.mul_(1 - lr * wd); p.add_(update, alpha=-lr), as a multiply and a subtraction (no fused
+    # multiply-add, whose rounding would depend on where a vectorized loop starts)
+    if h["weight_decay"] != 0.0:
+        p.mul_(h["decay_factor"])
+    p.sub_(o * h["lr"])
+
+
+# The Rule itself (MUON) is made in optim/muon.py: it has no fused kernel, and the rules of this module
+# are the set the kernels' Q8_RULES must match (tests/test_kernels.py).
+muon_momentum, muon_matrix, muon_apply = _muon_momentum, _muon_matrix, _muon_apply
+
+
+__all__ = ["Rule", "muon_momentum", "muon_matrix", "muon_apply", "newton_schulz", "gram_newton_schulz", "muon_scale", "NS_COEFFICIENTS", "NS_METHODS",
+           "ADEMAMIX", "ADAM", "ADAMW", "MOMENTUM", "RMSPROP", "RMSPROP_MOMENTUM", "ADAGRAD", "LAMB", "LARS", "LION"]

@@ -15,6 +15,12 @@ do not depend on the path or on where ZeRO cut it:
     (:func:`_update_shared`) whose block maxima are agreed across ranks with one all-reduce MAX per
     process group and call, and only then quantized.
 
+A whole-matrix rule (Muon, ``rule.is_matrix``) takes the same three paths for its element-wise part,
+which updates the states and writes each matrix's direction into an fp32 scratch instead of the
+parameter; then :func:`_matrix_pass` forms each matrix whole (a ZeRO partition's matrices that
+partition edges cut, from the slices every rank holds: :func:`_exchange`), maps it (Newton-Schulz)
+and steps the local slice of the parameter by the result.
+
 Which path a group takes is its ``impl`` option, decided here (:func:`kernel_rule`) and nowhere else:
 
   ``"auto"`` (default)  the kernels; where an op cannot be loaded (one warning says why) or a tensor has
@@ -109,10 +115,118 @@ def maps_of(rule: Rule, group: dict, device) -> List[torch.Tensor]:
 def step(rule: Rule, work: Sequence[TensorStep], skip: Optional[torch.Tensor] = None) -> None:
     """Step every tensor of ``work`` by ``rule``. ``skip`` is a CUDA step's device flag
     (``optim/nonfinite.py``): non-zero, nothing may be written; the kernels read it on the device."""
+    if rule.is_matrix:
+        _matrix_step(rule, work, skip)
+        return
     plan = _Plan(rule, skip)
     for t in work:
         plan.add(t)
     plan.run()
+
+
+# ---------------------------------------------------------------------------- whole-matrix rules
+def _matrix_step(rule: Rule, work: Sequence[TensorStep], skip: Optional[torch.Tensor]) -> None:
+    """A whole-matrix rule's step: the element-wise part through the three paths above, with an fp32
+    direction scratch in place of each parameter, so that states, shared blocks and their agreed
+    maxima are exactly those of every other rule; then each matrix's pass (:func:`_matrix_pass`)."""
+    plan = _Plan(rule, skip)
+    directions = []
+    for t in work:
+        d = torch.zeros(t.param.shape, dtype=torch.float32, device=t.param.device)
+        plan.add(t._replace(param=d))
+        directions.append(d)
+    plan.run()
+    if plan._skipped():
+        return
+    for t, d in zip(work, directions):
+        _matrix_pass(rule, t, d.view(-1))
+        del d  # the scratch goes with its tensor: one tensor's fp32 temporaries at a time
+
+
+def _param_shape(layout, seg) -> tuple:
+    if layout.param_shapes is not None:
+        return layout.param_shapes[seg.param_index]
+    if seg.numel == seg.param_numel == layout.numel:
+        return layout.shape
+    raise RuntimeError("a whole-matrix rule (Muon) needs the shapes of the parameters that a flat partition holds "
+                       "slices of; DeepSpeed's ZeRO stages 1-3 and bf16 optimizer give them (import ds_q8 before "
+                       "deepspeed.initialize)")
+
+
+def _matrix_pass(rule: Rule, t: TensorStep, d: torch.Tensor) -> None:
+    """Map each matrix's whole direction and step this tensor's slice of it.
+
+    The matrix is mapped whole, in fp32, one at a time (its temporaries are freed before the next),
+    by every rank that holds a slice of it, from the same bits: each rank steps its slice by the
+    same result, so the parameters do not depend on where partition edges fall."""
+    layout, group, h = t.state.layout, t.group, t.hyper
+    pf = layout.param_views(t.param)
+    whole = _exchange(layout, d)
+    for seg in layout.segments:
+        if seg.numel == 0:
+            continue
+        shape = _param_shape(layout, seg)
+        full = whole.get(seg.param_index)
+        if full is None:  # this tensor holds all of it
+            full = d[seg.start:seg.end]
+        o = rule.matrix(full.view(shape), h).reshape(-1)[seg.param_start:seg.param_end]
+        dst = pf[seg.start:seg.end]
+        if dst.dtype == torch.float32:
+            rule.apply(dst, o, h)
+        else:
+            p32 = dst.to(torch.float32)
+            rule.apply(p32, o, h)
+            sr = None
+            if t.sr_step is not None and stochastic_params(group, dst.dtype):
+                sr = (rounding.sr_key(t.sr_step, layout.group_index, seg.param_index), seg.param_start)
+            write_param(dst, p32, sr)
+        del o, full
+
+
+def split_params(layout) -> Dict[int, int]:
+    """The parameters of a sharded tensor that partition edges cut, every rank's view the same:
+    ``{param_index: numel}``, in index order. Agreed once per layout with two all-reduces (which ranks
+    hold partial slices, and the parameters' sizes) and kept."""
+    cached = layout.__dict__.get("_split_params")
+    if cached is not None:
+        return cached
+    partial = torch.zeros(layout.num_params, dtype=torch.float32)
+    sizes = torch.zeros(layout.num_params, dtype=torch.float32)
+    for seg in layout.segments:
+        if 0 < seg.numel < seg.param_numel:
+            partial[seg.param_index] = 1.0
+        sizes[seg.param_index] = float(seg.param_numel)
+    layout.comm.all_reduce_sum(partial)
+    layout.comm.all_reduce_max(sizes)
+    out = {i: int(sizes[i]) for i in range(layout.num_params) if float(partial[i]) > 0}
+    layout.__dict__["_split_params"] = out
+    return out
+
+
+def _exchange(layout, d: torch.Tensor) -> Dict[int, torch.Tensor]:
+    """The whole directions of the matrices that partition edges cut, assembled from every rank's
+    slices with one all-reduce SUM over a buffer of only those matrices (each element written by one
+    rank, zeros elsewhere: the sum is exact). Matrices a rank holds whole never travel.
+    Returns ``{param_index: flat whole direction}`` for the cut matrices this rank holds part of."""
+    if layout.comm is None:  # an ordinary parameter, or a partition of one rank's: nothing is cut
+        return {}
+    cut = split_params(layout)
+    if not cut:
+        return {}
+    offsets, total = {}, 0
+    for pi, n in cut.items():
+        offsets[pi] = total
+        total += n
+    buf = torch.zeros(total, dtype=torch.float32, device=d.device)
+    held = set()
+    for seg in layout.segments:
+        if seg.numel and seg.param_index in offsets:
+            o = offsets[seg.param_index]
+            buf[o + seg.param_start:o + seg.param_end] = d[seg.start:seg.end]
+            held.add(seg.param_index)
+    layout.comm.all_reduce_sum(buf)
+    layout.exchanged_bytes += buf.numel() * buf.element_size()
+    return {pi: buf[offsets[pi]:offsets[pi] + cut[pi]] for pi in sorted(held)}
 
 
 def segment_hypers(rule: Rule, t: TensorStep) -> list:
