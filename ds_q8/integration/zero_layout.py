@@ -73,9 +73,10 @@ class ParamLink:
 class _Partition:
     """What DeepSpeed says about one flat partition, before it becomes a StateLayout."""
 
-    def __init__(self, tensor, group: dict, params: list, segments: List[Segment], process_group, shapes):
+    def __init__(self, tensor, group: dict, params: list, segments: List[Segment], process_group, shapes,
+                 group_index: int = 0):
         self.tensor, self.group, self.params, self.segments = tensor, group, params, segments
-        self.process_group, self.shapes = process_group, shapes
+        self.process_group, self.shapes, self.group_index = process_group, shapes, group_index
 
 
 def _name(names, p) -> Optional[str]:
@@ -100,7 +101,8 @@ def _fragment_partitions(wrapper, lp_groups, hp_partitions, process_groups) -> L
             hp, lo = mapping.hp_fragment_address, mapping.lp_fragment_address
             segments.append(Segment(int(hp.start), int(hp.numel), idx, int(lo.start), lp.numel(),
                                     uses_8bit(lp, group), _name(names, lp)))
-        out.append(_Partition(flat, group, list(params), segments, process_groups[i], [tuple(p.shape) for p in params]))
+        out.append(_Partition(flat, group, list(params), segments, process_groups[i], [tuple(p.shape) for p in params],
+                              group_index=i))
     return out
 
 
@@ -125,7 +127,8 @@ def _stage3_partitions(wrapper) -> List[_Partition]:
                 segments.append(Segment(offset, held, idx, rank * part, total, uses_8bit(p, group, numel=total),
                                         _name(names, p)))
             offset += part
-        out.append(_Partition(flat, group, list(params), segments, pg, [tuple(p.ds_shape) for p in params]))
+        out.append(_Partition(flat, group, list(params), segments, pg, [tuple(p.ds_shape) for p in params],
+                              group_index=wrapper.sub_group_to_group_id[sg]))
     return out
 
 
@@ -178,7 +181,11 @@ def attach(wrapper) -> int:
         comm = comms.setdefault(id(part.process_group), TorchDistComm(part.process_group))
         layout = StateLayout(part.tensor.shape, part.segments, part.group["block_size"], comm=comm,
                              slots=part_slots, num_slots=len(part_slots), num_params=len(part.params),
-                             group=part.group, param_shapes=part.shapes)
+                             group=part.group, param_shapes=part.shapes,
+                             # the group's index names its parameters in stochastic rounding's random
+                             # bits, as for unwrapped parameters: with it missing, every group of a
+                             # partitioned optimizer drew group 0's bits (Muon's AdamW group is group 1)
+                             group_index=part.group_index)
         base.register_layout(part.tensor, layout)
         held = {seg.param_index: si for si, seg in enumerate(layout.segments)}
         for idx, (p, shape) in enumerate(zip(part.params, part.shapes)):

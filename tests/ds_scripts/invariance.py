@@ -88,7 +88,9 @@ def collect_deepspeed(engine, opt):
             state[name] = {k: v.clone() for k, v in opt.dequantized_state(p).items()}
         else:
             params[name] = safe_get_full_fp32_param(p).detach().clone()
-            state[name] = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in opt.state_names}
+            link = getattr(p, "_ds_q8_link", None)  # with a rule per group (Muon), the group's states
+            names = opt.rule_of(link.tensor).state_names if link is not None else opt.state_names
+            state[name] = {k: safe_get_full_optimizer_state(p, k).detach().clone() for k in names}
     return params, state
 
 
