@@ -52,6 +52,14 @@ INVALID = {
 }
 # fields whose meaning is the optimizer's own: AdEMAMix has three betas and an unbounded alpha
 INVALID_FOR = {
+    "Muon8bitBlock": {
+        "muon_lr": [(-1.0, "muon_lr must be in [0.0, inf)"), (NAN, "muon_lr must be a number")],
+        "adam_lr": [(INF, "adam_lr must be in [0.0, inf)"), ("1e-3", "adam_lr must be a number")],
+        "momentum": [(-0.5, "momentum must be in [0.0, 1.0)"), (1.0, "momentum must be in [0.0, 1.0)"),
+                     (NAN, "momentum must be a number")],
+        "ns_method": [("svd", "ns_method must be one of ('gram', 'standard')")],
+        "ns_steps": [(0, "ns_steps must be an integer in [1, 100]"), (2.5, "ns_steps must be an integer")],
+    },
     "AdEMAMix8bitBlock": {
         "betas": [((0.9, 0.999), "betas must be three values"), (0.9, "betas must be three values"),
                   ((1.0, 0.999, 0.9999), "betas[0] must be in [0.0, 1.0)"),
