@@ -1,9 +1,10 @@
 """Muon8bitBlock against a 32-bit Muon written here from DeepSpeed 0.19.8's muon_update and adam_update
 (deepspeed/runtime/zero/muon/original_muon.py), its default tagging, checks, checkpoints, memory, and
 its partitions (threads standing in for ranks, as in test_layout.py) stepping bit-identically."""
-import copy
 import io
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from ds_q8.optim.layout import Segment, StateLayout, shared_blocks
 from ds_q8.optim.muon import default_use_muon, tag_muon
 
 from test_layout import ThreadComm, partitions
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -372,3 +375,79 @@ def test_partitions_step_bit_identically_to_whole_parameters(world, stage):
         assert 0 < exchanged <= world * steps * 4 * muon_numel
         if stage == 2:
             assert exchanged < world * steps * 4 * muon_numel
+
+
+# ---------------------------------------------------------------------------- one DeepSpeed rank (ZeRO-2)
+DS_SCRIPT = r'''
+import json, sys, torch
+from torch import nn
+import ds_q8, deepspeed
+from ds_q8.optim.muon import tag_muon
+torch.set_num_threads(1)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.embed = nn.Embedding(40, 24)
+        self.fc1 = nn.Linear(24, 48)
+        self.fc2 = nn.Linear(48, 24)
+        self.norm = nn.LayerNorm(24)
+        self.lm_head = nn.Linear(24, 40, bias=False)
+        for p in self.parameters():
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.norm(h + self.fc2(torch.relu(self.fc1(h))))
+        return nn.functional.cross_entropy(self.lm_head(h).flatten(0, 1), x.roll(1, 1).flatten())
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 40, (4, 8), generator=g) for _ in range(5)]
+
+params = dict(lr=0.02, adam_lr=3e-3, block_size=64, min_8bit_size=0)
+ref = Net(); tags = tag_muon(ref)
+opt = ds_q8.Muon8bitBlock(ref.parameters(), **params)
+for x in batches():
+    opt.zero_grad(); ref(x).backward(); opt.step()
+
+model = Net()
+cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+       "optimizer": {"type": "Muon8bitBlock", "params": params}}
+engine, dsopt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+ds_tags = {n: bool(p.use_muon) for n, p in model.named_parameters()}
+for x in batches():
+    loss = engine(x); engine.backward(loss); engine.step()
+from deepspeed.utils import safe_get_full_fp32_param
+same = {n: bool(torch.equal(safe_get_full_fp32_param(p).float(), q.detach().float()))
+        for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+base = engine.optimizer.optimizer
+keys = sorted({k for st in base.state.values() for k in st})
+print("RESULT " + json.dumps({"tags": tags, "ds_tags": ds_tags, "same": same, "keys": keys,
+                              "groups": [g["use_muon"] for g in base.param_groups]}))
+'''
+
+
+def test_one_deepspeed_rank_at_zero2_matches_the_plain_loop_with_deepspeeds_tags(tmp_path):
+    """deepspeed.initialize tags the parameters as for "type": "Muon"; its own ZeRO-1/2 Muon stays off
+    (no fp32 momentum_buffer, no double orthogonalization): the parameters are the plain loop's bits."""
+    import json
+    import os
+    import subprocess
+    import sys as _sys
+
+    from ds_launch import env, free_port
+
+    e = dict(env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    (tmp_path / "s.py").write_text(DS_SCRIPT)
+    proc = subprocess.run([_sys.executable, str(tmp_path / "s.py")], env=e, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(line[-1][len("RESULT "):])
+    assert out["tags"] == out["ds_tags"] == {
+        "embed.weight": False, "fc1.weight": True, "fc1.bias": False, "fc2.weight": True, "fc2.bias": False,
+        "norm.weight": False, "norm.bias": False, "lm_head.weight": False}
+    assert out["groups"] == [True, False]
+    assert "momentum_buffer" not in out["keys"] and "state1" in out["keys"]
+    assert all(out["same"].values()), out["same"]

@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
-from . import checkpoint_files, engine_checks, engine_hooks, grad_norm, universal, zero_layout
+from . import checkpoint_files, engine_checks, engine_hooks, grad_norm, muon_tags, universal, zero_layout
 from .lookup import optimizer_classes
 
 BEFORE, AFTER, REPLACE, SET, APPEND, PER_ENGINE = "before", "after", "replace", "set", "append", "per-engine"
@@ -63,6 +63,7 @@ def _optimizer_class_list() -> list:
 _ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 _LINKAGE = "deepspeed.utils.mixed_precision_linkage"
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
+_STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 
 PATCHES: Tuple[Patch, ...] = (
     Patch("torch.optim", SET, optimizer_classes,
@@ -107,6 +108,16 @@ PATCHES: Tuple[Patch, ...] = (
           "the same for the ZeRO stage 3 wrapper"),
     Patch("deepspeed.runtime.bf16_optimizer:BF16_Optimizer.step", PER_ENGINE, grad_norm._from_wrapper,
           "the same for DeepSpeed's bf16 optimizer"),
+    Patch("deepspeed:set_optimizer_flags", REPLACE, muon_tags._tag_for_muon8bit,
+          "deepspeed.initialize tags use_muon (2-D, not embed/lm_head) only for \"type\": \"Muon\"; tag the same "
+          "way for Muon8bitBlock"),
+    Patch(f"{_STAGE12}._is_muon_group", REPLACE, muon_tags._is_muon_group,
+          "ZeRO-1/2 runs DeepSpeed's own fp32 Muon for any optimizer named *muon* whose parameters carry "
+          "use_muon; Muon8bitBlock does the whole step itself"),
+    Patch(f"{_STAGE12}.get_flat_partition", REPLACE, muon_tags._without_muon_tags,
+          "the same check, inline there: use_muon is hidden from it while it runs for a ds_q8 optimizer"),
+    Patch(f"{_STAGE12}._get_flat_partition_unpadded", REPLACE, muon_tags._without_muon_tags,
+          "the same in its unpadded variant"),
     Patch(f"{_ENGINE}.clip_fp32_gradients", PER_ENGINE, grad_norm._from_fp32_clip,
           "applied by grad_norm's after-_configure_optimizer row: without ZeRO or 16-bit training the engine's "
           "own clip drops the norm it computed; keep it for the next ds_q8 step"),
