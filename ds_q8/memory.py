@@ -132,18 +132,27 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
                          bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE,
                          min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE,
                          group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000,
-                         rank: int = None, param_bits: Sequence[Sequence[int]] = None) -> int:
+                         rank: int = None, param_bits: Sequence[Sequence[int]] = None,
+                         group_states: Sequence[int] = None) -> int:
     """Predicted optimizer-state bytes on one rank (``rank``; None: the rank that holds the most).
 
     Each parameter keeps 8-bit state when its group's bits are 8, its full size reaches
     ``min_8bit_size`` and ``param_bits`` (per group, per parameter: 8 or 32, e.g. 32 for a
     StableEmbedding) does not say 32, whatever partition holds it. ``group_bits`` overrides
     ``bits`` per group. ``sub_group_size`` (stage 3) does not change the bytes: sub-groups end at
-    parameter boundaries.
+    parameter boundaries. ``group_states`` gives each group's number of states where the optimizer
+    runs a rule per group (``Muon8bitBlock``: 1 for Muon's matrices, 2 for the auxiliary AdamW; see
+    :func:`gpt2_muon_groups`); by default every group keeps ``optimizer``'s.
     """
     F.check_block_size(block_size)
     _check_layout_args(stage, world_size)
-    k = _num_states(optimizer)
+    k_all = _num_states(optimizer)
+    if group_states is not None:
+        if len(group_states) != len(groups):
+            raise ValueError(f"group_states must give one number per group ({len(groups)}), got {len(group_states)}")
+        for k in group_states:
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= F.MAX_STATES:
+                raise ValueError(f"group_states: each entry must be an integer in [1, {F.MAX_STATES}], got {k!r}")
     ranks = range(world_size) if rank is None else [rank]
     best = 0
     for r in ranks:
@@ -157,6 +166,7 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
                 return b == 8 and pb == 8 and int(sizes[i]) >= min_8bit_size
 
             layout = rank_layout(sizes, stage, world_size, r, eight_bit, block_size)
+            k = k_all if group_states is None else group_states[gi]
             total += sum(QuantizedState.bytes_for(layout, k).values())
         best = max(best, total)
     return best
@@ -302,6 +312,19 @@ def gpt2_param_groups(n_layer: int, n_embd: int, vocab_size: int = 50257, n_posi
     return [[vocab_size * d, n_positions * d], block * n_layer + [2 * d]]
 
 
+def gpt2_muon_groups(n_layer: int, n_embd: int, vocab_size: int = 50257, n_positions: int = 1024):
+    """A GPT-2's parameter sizes split as Muon splits them, and each group's number of states:
+    ``([embeddings, hidden matrices, vectors], [2, 1, 2])``. The matrices take Muon (one momentum);
+    the embeddings (the output head is tied to them), biases and norms the auxiliary AdamW (two)."""
+    d = n_embd
+    matrices = [d * 3 * d, d * d, d * 4 * d, 4 * d * d] * n_layer
+    vectors = [2 * d, 3 * d, d, 2 * d, 4 * d, d] * n_layer + [2 * d]
+    return [[vocab_size * d, n_positions * d], matrices, vectors], [2, 1, 2]
+
+
+#: optimizers whose groups keep different numbers of states; ``--model`` splits GPT-2 for them
+PER_GROUP_SPLITS = {"Muon8bitBlock": gpt2_muon_groups}
+
 GPT2_SIZES = {
     "gpt2": (12, 768),
     "gpt2-medium": (24, 1024),
@@ -319,17 +342,17 @@ def _fmt(nbytes: int) -> str:
 
 
 def report(groups, stages: Iterable[int], world_sizes: Iterable[int], optimizer: str, block_size: int,
-           min_8bit_size: int, embeddings_32bit: bool) -> List[dict]:
+           min_8bit_size: int, embeddings_32bit: bool, group_states: Sequence[int] = None) -> List[dict]:
     rows = []
     k_groups = len(groups)
     group_bits = None
-    if embeddings_32bit and k_groups == 2:
-        group_bits = [32, 8]
+    if embeddings_32bit and k_groups in (2, 3):  # the embedding group first
+        group_bits = [32] + [8] * (k_groups - 1)
     for stage in stages:
         for ws in world_sizes:
-            b32 = estimate_state_bytes(groups, stage, ws, optimizer, bits=32)
+            b32 = estimate_state_bytes(groups, stage, ws, optimizer, bits=32, group_states=group_states)
             b8 = estimate_state_bytes(groups, stage, ws, optimizer, bits=8, block_size=block_size,
-                                      min_8bit_size=min_8bit_size, group_bits=group_bits)
+                                      min_8bit_size=min_8bit_size, group_bits=group_bits, group_states=group_states)
             rows.append(dict(stage=stage, world_size=ws, bytes_32bit=b32, bytes_8bit=b8,
                              ratio=b8 / b32 if b32 else float("nan")))
     return rows
@@ -361,6 +384,9 @@ def main(argv=None) -> int:
     else:
         groups = gpt2_param_groups(*GPT2_SIZES[args.model])
         label = f"{args.model} ({sum(map(sum, groups)):,} parameters)"
+    group_states = None
+    if args.optimizer in PER_GROUP_SPLITS and args.params is None:
+        groups, group_states = PER_GROUP_SPLITS[args.optimizer](*GPT2_SIZES[args.model])
     if args.ladder:
         try:
             F.check_block_size(args.block_size)
@@ -377,7 +403,7 @@ def main(argv=None) -> int:
         return 0
     try:
         rows = report(groups, args.stage, args.world_size, args.optimizer, args.block_size,
-                      args.min_8bit_size, args.embeddings_32bit)
+                      args.min_8bit_size, args.embeddings_32bit, group_states)
     except ValueError as e:
         ap.error(str(e))
     print(f"optimizer state per rank, {label}, {args.optimizer}, block_size={args.block_size}")

@@ -23,13 +23,18 @@ pytestmark = pytest.mark.multirank
 SAVE_AT, MORE = 3, 3
 UNIVERSAL = {"checkpoint": {"load_universal": True}}
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+MUON = {"muon_lr": 0.02, "adam_lr": 0.01}
 SAME_SIZE = {  # tag -> config
     "s1": config(1), "s2": config(2), "s3": config(3),
     "s2_off": config(2, zero=OFFLOAD), "s2_bf16": config(2, bf16={"enabled": True}),
     "m2": config(2, "Momentum8bitBlock", lr=0.1),
     "a2": config(2, "AdEMAMix8bitBlock", opt_params={"t_alpha": 4, "t_beta3": 4}),  # three states
+    "mu2": config(2, "Muon8bitBlock", lr=None, opt_params=MUON),  # a rule per group
 }
 TOTAL_PARAMS = 31296  # TinyLM
+# TinyLM's groups under Muon8bitBlock, as DeepSpeed tags them: the four matrices (emb, fc1, fc2, head;
+# none is named embed or lm_head) take Muon, the biases and the norm the auxiliary AdamW
+GROUP_SIZES = {"mu2": (30720, 576)}
 BLOCK = 256
 
 
@@ -53,6 +58,7 @@ def flow(tmp_path_factory):
     to_universal(work / "ckpt" / "s2", work / "ckpt" / "s2_uni", work / "conv_s2.log")
     to_universal(work / "ckpt" / "m2", work / "ckpt" / "m2_uni", work / "conv_m2.log")
     to_universal(work / "ckpt" / "a2", work / "ckpt" / "a2_uni", work / "conv_a2.log")
+    to_universal(work / "ckpt" / "mu2", work / "ckpt" / "mu2_uni", work / "conv_mu2.log")
     c = launch([
         {"name": "s2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "s2_uni"],
          "dump_state": str(work / "dump_c_s2"), "save": [ck, "c1", SAVE_AT + MORE], "config": config(2, **UNIVERSAL)},
@@ -61,6 +67,9 @@ def flow(tmp_path_factory):
         {"name": "a2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "a2_uni"],
          "dump_state": str(work / "dump_c_a2"),
          "config": config(2, "AdEMAMix8bitBlock", opt_params={"t_alpha": 4, "t_beta3": 4}, **UNIVERSAL)},
+        {"name": "mu2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "mu2_uni"],
+         "dump_state": str(work / "dump_c_mu2"), "config": config(2, "Muon8bitBlock", lr=None, opt_params=MUON,
+                                                                  **UNIVERSAL)},
     ] + [{"name": f"bytes_s{s}", "steps": 1, "config": config(s)} for s in (1, 2, 3)], work, "c_1rank", ranks=1)
     to_universal(work / "ckpt" / "c1", work / "ckpt" / "c1_uni", work / "conv_c1.log")
     d = launch([{"name": "c1_uni", "steps": MORE, "start_step": SAVE_AT + MORE, "load": [ck, "c1_uni"],
@@ -87,21 +96,22 @@ def test_other_shapes_are_refused(flow):
     assert err.startswith("load:") and "size mismatch" in err
 
 
-def _saved_fp32(folder: Path, cls, ranks: int) -> dict:
-    """The whole flat group-0 state of a saved ZeRO-2 checkpoint, dequantized, padding removed."""
+def _saved_fp32(folder: Path, cls, ranks: int, group: int = 0, size: int = TOTAL_PARAMS) -> dict:
+    """One flat group's whole state of a saved ZeRO-2 checkpoint, dequantized, padding removed."""
     parts = []
     for r in range(ranks):
         sd = torch.load(folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt", map_location="cpu",
                         weights_only=False)
         inner = sd["optimizer_state_dict"]["base_optimizer_state"]
-        assert inner["state"][0]["state1"].dtype == torch.uint8
-        parts.append(cls.export_fp32_state_dict(inner)["state"][0])
-    return {n: torch.cat([p[n] for p in parts])[:TOTAL_PARAMS] for n in cls.state_names}
+        pid = inner["param_groups"][group]["params"][0]
+        parts.append(cls.export_fp32_state_dict(inner)["state"][pid])
+    names = [n for n in parts[0] if n != "step"]
+    return {n: torch.cat([p[n] for p in parts])[:size] for n in names}
 
 
-def _dumped(prefix: Path, ranks: int):
-    dumps = [torch.load(f"{prefix}.rank{r}.pt", weights_only=False)[0] for r in range(ranks)]
-    values = {n: torch.cat([d["values"][n] for d in dumps])[:TOTAL_PARAMS] for n in dumps[0]["values"]}
+def _dumped(prefix: Path, ranks: int, group: int = 0, size: int = TOTAL_PARAMS):
+    dumps = [torch.load(f"{prefix}.rank{r}.pt", weights_only=False)[group] for r in range(ranks)]
+    values = {n: torch.cat([d["values"][n] for d in dumps])[:size] for n in dumps[0]["values"]}
     return values, dumps
 
 
@@ -113,13 +123,15 @@ def _assert_carried_over(expected: dict, got: dict):
 
 
 @pytest.mark.parametrize("tag,cls", [("s2", ds_q8.Adam8bitBlock), ("m2", ds_q8.Momentum8bitBlock),
-                                     ("a2", ds_q8.AdEMAMix8bitBlock)])
+                                     ("a2", ds_q8.AdEMAMix8bitBlock), ("mu2", ds_q8.Muon8bitBlock)])
 def test_two_ranks_to_one_carries_state_over(flow, tag, cls):
-    expected = _saved_fp32(flow["work"] / "ckpt" / tag, cls, ranks=2)
-    got, dumps = _dumped(flow["work"] / f"dump_c_{tag}", ranks=1)
-    assert dumps[0]["step"] == SAVE_AT
-    assert dumps[0]["dtypes"]["state1"] == "torch.uint8"
-    _assert_carried_over(expected, got)
+    for group, size in enumerate(GROUP_SIZES.get(tag, (TOTAL_PARAMS,))):
+        expected = _saved_fp32(flow["work"] / "ckpt" / tag, cls, ranks=2, group=group, size=size)
+        got, dumps = _dumped(flow["work"] / f"dump_c_{tag}", ranks=1, group=group, size=size)
+        assert sorted(got) == sorted(expected), group
+        assert dumps[0]["step"] == SAVE_AT
+        _assert_carried_over(expected, got)
+    assert _dumped(flow["work"] / f"dump_c_{tag}", ranks=1)[1][0]["dtypes"]["state1"] == "torch.uint8"
     run = flow["c"][f"{tag}_uni"]
     assert run["state_steps"] == [SAVE_AT + MORE] and run["state_dtypes"]["state1"] == ["uint8"]
     # training continues from where the 2-rank run was, not from scratch
@@ -151,3 +163,15 @@ def test_latest_universal_names_the_converted_folder(flow):
     # DeepSpeed's converter writes the folder it converted into (a temporary one) into latest_universal;
     # loading with tag=None under load_universal must find the folder the conversion produced
     assert (flow["work"] / "ckpt" / "latest_universal").read_text().strip() == "c1_uni"
+
+
+def test_muon_state_bytes_are_the_estimate_per_rank(flow):
+    from ds_q8.memory import estimate_state_bytes
+
+    # TinyLM's groups in flat order as Muon8bitBlock splits them: matrices (one state), the rest (two)
+    groups = [[64 * 32, 32 * 128, 128 * 128, 128 * 64], [128, 128, 128, 128, 64]]
+    assert tuple(map(sum, groups)) == GROUP_SIZES["mu2"]
+    measured = [r["total"] for r in flow["a"]["mu2"]["state_bytes"]]
+    predicted = [estimate_state_bytes(groups, 2, 2, "Muon8bitBlock", block_size=BLOCK, min_8bit_size=1024, rank=r,
+                                      group_states=[1, 2]) for r in (0, 1)]
+    assert measured == predicted

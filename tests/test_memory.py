@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import ds_q8
-from ds_q8.memory import estimate_state_bytes, gpt2_param_groups, main, measured_state_bytes, state_tensor_sizes
+from ds_q8.memory import (estimate_state_bytes, gpt2_muon_groups, gpt2_param_groups, main, measured_state_bytes,
+                          state_tensor_sizes)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,28 @@ def test_stage0_counts_every_tensor_and_keeps_small_ones_fp32():
     assert measured["codes"] == 2 * 6000  # only the 100x60 weight reaches min_8bit_size
     assert measured["absmax"] == 2 * 4 * 24
     assert measured["fp32"] == 2 * 4 * (60 + 600 + 10)
+
+
+def test_muon_estimate_counts_one_state_for_matrices_and_two_for_the_rest():
+    model = nn.Sequential(nn.Embedding(300, 40), nn.Linear(40, 120), nn.LayerNorm(120), nn.Linear(120, 40))
+    named = list(model.named_parameters())
+    # ds_q8's tagging by name: the embedding ("0.weight" is not named embed) is 2-D, so tag it as DeepSpeed would
+    model[0].weight.use_muon = False
+    opt = ds_q8.Muon8bitBlock(model.parameters(), block_size=256, min_8bit_size=1000)
+    model(torch.randint(0, 300, (2, 5))).sum().backward()
+    opt.step()
+    muon = [p.numel() for n, p in named if p.ndim == 2 and n != "0.weight"]
+    adam = [p.numel() for n, p in named if not (p.ndim == 2 and n != "0.weight")]
+    predicted = estimate_state_bytes([muon, adam], 0, 1, "Muon8bitBlock", block_size=256, min_8bit_size=1000,
+                                     group_states=[1, 2])
+    assert measured_state_bytes(opt)["total"] == predicted
+    assert predicted == (40 * 120 + 4 * 19) + (120 * 40 + 4 * 19) + 2 * (300 * 40 + 4 * 47) + 2 * 4 * (120 + 240 + 40)
+    groups, states = gpt2_muon_groups(12, 768)
+    assert sum(map(sum, groups)) == sum(map(sum, gpt2_param_groups(12, 768))) and states == [2, 1, 2]
+    with pytest.raises(ValueError, match="group_states"):
+        estimate_state_bytes(groups, 2, 1, "Muon8bitBlock", group_states=[1, 2])
+    with pytest.raises(ValueError, match=r"group_states: .*\[1, 3\]"):
+        estimate_state_bytes(groups, 2, 1, "Muon8bitBlock", group_states=[2, 0, 2])
 
 
 def test_zero_partitions_shrink_with_world_size():

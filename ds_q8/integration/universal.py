@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..optim.qstate import QuantizedState, has_storage
-from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, universal_names_for
+from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
 
 _OPTIM_SUFFIX = "_optim_states.pt"
@@ -68,8 +68,10 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     marker = _marker(inner, path)
     cls = optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
-    names = [n for n in universal_names_for(marker.get("state_names", cls.state_names)) if n is not None]
-    for st in out["state"].values():
+    for pid, st in out["state"].items():
+        # each entry's own states (a Muon matrix has one, its optimizer's AdamW entries two)
+        own, _ = states_of_entry(marker, pid, cls.state_names, cls.state_signed)
+        names = [n for n in universal_names_for(own) if n is not None]
         for missing in UNIVERSAL_STATE_NAMES:
             if st and missing not in names:
                 st[missing] = torch.zeros_like(st[names[0]])
@@ -82,10 +84,11 @@ class ParamCodes:
     or fp32 values (kept here too: DeepSpeed's loader casts optimizer state to the master weights'
     dtype, which would round fp32 state to bf16 under bf16 master weights)."""
 
-    def __init__(self, name: str, numel: int, block_size, quantization: str, k: int, num_blocks: int,
+    def __init__(self, name: str, numel: int, block_size, quantization: str, state_names, num_blocks: int,
                  eight_bit: bool = True):
         self.name, self.numel, self.block_size, self.quantization = name, numel, block_size, quantization
-        self.eight_bit = eight_bit
+        self.eight_bit, self.state_names = eight_bit, list(state_names)
+        k = len(self.state_names)
         if eight_bit:
             self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
             self.absmax = [torch.zeros(num_blocks, dtype=torch.float32) for _ in range(k)]
@@ -93,9 +96,9 @@ class ParamCodes:
             self.values = [torch.zeros(numel, dtype=torch.float32) for _ in range(k)]
         self.covered = torch.zeros(numel, dtype=torch.bool)
 
-    def payload(self, state_names) -> dict:
+    def payload(self) -> dict:
         out = {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
-               "state_names": list(state_names), "eight_bit": self.eight_bit}
+               "state_names": self.state_names, "eight_bit": self.eight_bit}
         if self.eight_bit:
             out.update(codes=self.codes, absmax=self.absmax)
         else:
@@ -109,14 +112,14 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
     if marker.get("format") != STATE_FORMAT:
         raise ValueError(f"{path}: the optimizer state has no layout marker of format {STATE_FORMAT}; it was not "
                          "written by this version of ds_q8")
-    signed = marker["state_signed"]
-    k = len(signed)
     group_of = {pid: g for g in inner["param_groups"] for pid in g["params"]}
     for pid, st in inner["state"].items():
         desc = marker["layouts"].get(pid, marker["layouts"].get(str(pid)))
         if not st or desc is None or not has_storage(st):
             continue
         g = group_of[pid]
+        names, signed = states_of_entry(marker, pid, marker["state_names"], marker["state_signed"])
+        k = len(names)
         qs = QuantizedState.of_saved(st, desc, signed, g["quantization"])
         for si, seg, first, codes, absmax, values in qs.segment_params():
             if not seg.name:
@@ -126,7 +129,10 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
             if entry is None:
                 _, _, bs = qs.layout.segment_blocks(si)
                 entry = into[seg.name] = ParamCodes(seg.name, seg.param_numel, g["block_size"], g["quantization"],
-                                                    k, (seg.param_numel + bs - 1) // bs, seg.eight_bit)
+                                                    names, (seg.param_numel + bs - 1) // bs, seg.eight_bit)
+            elif entry.state_names != list(names):
+                raise ValueError(f"{path}: parameter {seg.name} has states {list(names)} here and "
+                                 f"{entry.state_names} in another rank's file: the files are not of one checkpoint")
             for i in range(k):
                 if seg.eight_bit:
                     entry.codes[i][seg.param_start:seg.param_end] = codes[i]
@@ -202,10 +208,9 @@ def to_universal(input_folder: str, output_folder: str, keep_fp32: bool = False,
                                        num_extract_workers=workers, num_merge_workers=workers,
                                        keep_temp_folder=False, strict=True, inject_missing_state=True))
         if codes:
-            first = next(iter(_rank_markers(input_folder)))
             os.makedirs(os.path.join(partial, CODES_FOLDER))
             for name, entry in codes.items():
-                torch.save(entry.payload(first["state_names"]), _codes_file(partial, name))
+                torch.save(entry.payload(), _codes_file(partial, name))
         os.replace(partial, base)
         # DeepSpeed's converter names the folder it wrote in <parent>/latest_universal: the partial one
         latest = os.path.join(os.path.dirname(base) or ".", "latest_universal")
@@ -220,12 +225,6 @@ def to_universal(input_folder: str, output_folder: str, keep_fp32: bool = False,
         shutil.rmtree(partial, ignore_errors=True)
         if not keep_fp32:
             shutil.rmtree(fp32_folder, ignore_errors=True)
-
-
-def _rank_markers(folder: str):
-    for path in sorted(glob.glob(os.path.join(folder, "*" + _OPTIM_SUFFIX))):
-        sd = torch.load(path, map_location="cpu", weights_only=False)
-        yield _marker(_find_optimizer_state(sd, path)[2], path)
 
 
 # ---------------------------------------------------------------------------- loading
@@ -243,7 +242,7 @@ def _saved_state(folder: Optional[str], segments, group: dict, opt, cache: dict)
             cache[seg.name] = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
         saved = cache[seg.name]
         if (saved is None or bool(saved.get("eight_bit", True)) != seg.eight_bit
-                or list(saved["state_names"]) != list(opt.state_names)
+                or list(saved["state_names"]) != list(opt.rule_for(group).state_names)
                 or (seg.eight_bit and (saved["block_size"] != group["block_size"]
                                        or saved["quantization"] != group["quantization"]))):
             return None
