@@ -454,16 +454,20 @@ def test_one_deepspeed_rank_at_zero2_matches_the_plain_loop_with_deepspeeds_tags
 
 
 @pytest.mark.multirank
-def test_two_ranks_at_zero_0_1_2_match_the_plain_loop(tmp_path):
+def test_two_ranks_at_every_zero_stage_and_offload_match_the_plain_loop(tmp_path):
     """tests/ds_scripts/invariance.py's bag (integer gradients, three matrices of which partitions cut
-    some, vectors, a 32-bit embedding) with Muon8bitBlock: 2 DeepSpeed ranks at stages 0, 1 and 2 give
-    the plain PyTorch loop's parameters and dequantized states bit for bit. (Run by hand with this plan
-    during development: all 7 parameters and their states equal at every stage.)"""
+    some, vectors, a 32-bit embedding) with Muon8bitBlock: 2 DeepSpeed ranks at stages 0-3, and 2 and 3
+    with the optimizer offloaded, give the plain PyTorch loop's parameters and dequantized states bit for
+    bit; DeepSpeed's per-parameter state API reads and writes each group's own states."""
     import json
 
     from ds_launch import SCRIPTS, run_checked
 
-    plan = [{"name": f"muon_s{s}", "optimizer": "Muon8bitBlock", "stage": s, "steps": 6, "lr": 0.01} for s in (0, 1, 2)]
+    offload = {"offload_optimizer": {"device": "cpu"}}
+    plan = [{"name": f"muon_s{s}", "optimizer": "Muon8bitBlock", "stage": s, "steps": 6, "lr": 0.01, "api": s > 0}
+            for s in (0, 1, 2, 3)]
+    plan += [{"name": f"muon_s{s}_off", "optimizer": "Muon8bitBlock", "stage": s, "steps": 6, "lr": 0.01,
+              "zero": offload} for s in (2, 3)]
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     for d in ("plain", "w2"):
         (tmp_path / d).mkdir()
@@ -471,7 +475,7 @@ def test_two_ranks_at_zero_0_1_2_match_the_plain_loop(tmp_path):
                  "--out", str(tmp_path / "plain")], tmp_path / "plain.log", 300)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "0",
            str(SCRIPTS / "invariance.py"), "--plan", str(tmp_path / "plan.json"), "--out", str(tmp_path / "w2")]
-    run_checked(cmd, tmp_path / "w2.log", 600, result=tmp_path / "w2" / "muon_s2.pt")
+    run_checked(cmd, tmp_path / "w2.log", 900, result=tmp_path / "w2" / f"{plan[-1]['name']}.pt")
     for job in plan:
         a = torch.load(tmp_path / "plain" / f"{job['name']}.pt", weights_only=False)
         b = torch.load(tmp_path / "w2" / f"{job['name']}.pt", weights_only=False)
@@ -479,3 +483,7 @@ def test_two_ranks_at_zero_0_1_2_match_the_plain_loop(tmp_path):
             assert torch.equal(a["params"][n].float(), b["params"][n].float()), (job["name"], n)
             for k, v in a["state"][n].items():
                 assert torch.equal(v.reshape(-1).float(), b["state"][n][k].reshape(-1).float()), (job["name"], n, k)
+        if job.get("api"):  # DeepSpeed's per-parameter state API on the rule of each parameter's group
+            api = b["api"]
+            assert all("no_such_state" in m for m in api["bad_name"]), api["bad_name"]
+            assert api["set_get_w4"] == 0.0 and api["set_get_norm"] == 0.0, api

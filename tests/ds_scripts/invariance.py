@@ -110,10 +110,11 @@ def check_state_api(engine, opt, world) -> dict:
     msgs = [None] * world
     dist.all_gather_object(msgs, msg)
     out["bad_name"] = msgs
-    name = opt.state_names[0]
-    signed = opt.state_signed[0]
     for pname in ("w4", "norm"):
         p = getattr(engine.module, pname)
+        link = getattr(p, "_ds_q8_link", None)  # the first state of the parameter's group's rule
+        rule = opt.rule_of(link.tensor if link is not None else p)
+        name, signed = rule.state_names[0], rule.state_signed[0]
         n = int(getattr(p, "ds_numel", p.numel()))
         shape = tuple(getattr(p, "ds_shape", p.shape))
         base = torch.linspace(-1.0, 1.0, n) ** 3 * 0.01
