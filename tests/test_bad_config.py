@@ -59,6 +59,7 @@ INVALID_FOR = {
                      (NAN, "momentum must be a number")],
         "ns_method": [("svd", "ns_method must be one of ('gram', 'standard')")],
         "ns_steps": [(0, "ns_steps must be an integer in [1, 100]"), (2.5, "ns_steps must be an integer")],
+        "direction_bits": [(16, "direction_bits must be 8 or 32"), (True, "direction_bits must be 8 or 32")],
     },
     "AdEMAMix8bitBlock": {
         "betas": [((0.9, 0.999), "betas must be three values"), (0.9, "betas must be three values"),

@@ -167,6 +167,7 @@ def test_default_tagging_and_learning_rates():
     (dict(ns_method="svd"), "ns_method must be one of ('gram', 'standard')"),
     (dict(ns_steps=0), "ns_steps must be an integer in [1, 100]"),
     (dict(ns_steps=2.5), "ns_steps must be an integer"),
+    (dict(direction_bits=16), "direction_bits must be 8 or 32"),
     (dict(nesterov=1), "nesterov must be True or False"),
     (dict(muon_lr=-1.0), "muon_lr must be in [0.0, inf)"),
     (dict(adam_lr=float("inf")), "adam_lr must be in [0.0, inf)"),
@@ -357,10 +358,11 @@ def run_sharded_muon(world, stage, steps, kw):
     return [o.view(s) for o, s in zip(out, MAT_SHAPES)], states, exchanged
 
 
+@pytest.mark.parametrize("direction_bits", [8, 32])
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_partitions_step_bit_identically_to_whole_parameters(world, stage):
-    kw = dict(KW, block_size=BLOCK, min_8bit_size=0)
+def test_partitions_step_bit_identically_to_whole_parameters(world, stage, direction_bits):
+    kw = dict(KW, block_size=BLOCK, min_8bit_size=0, direction_bits=direction_bits)
     steps = 4
     params, ref = run_plain_muon(steps, kw)
     got, states, exchanged = run_sharded_muon(world, stage, steps, kw)
@@ -372,9 +374,12 @@ def test_partitions_step_bit_identically_to_whole_parameters(world, stage):
     if world > 1:
         # the exchange moves the matrices cut by edges only: below every rank gathering every matrix's
         # fp32 momentum (4 bytes per element per rank and step)
-        assert 0 < exchanged <= world * steps * 4 * muon_numel
+        fp32_gather = world * steps * 4 * muon_numel
+        assert 0 < exchanged <= fp32_gather
         if stage == 2:
-            assert exchanged < world * steps * 4 * muon_numel
+            assert exchanged < fp32_gather
+        if direction_bits == 8:  # codes and one maximum per block of 64: 1.06 bytes per element
+            assert exchanged <= fp32_gather * (1 + 4 / BLOCK) / 4 + world * steps * 4 * len(MAT_SHAPES)
 
 
 # ---------------------------------------------------------------------------- one DeepSpeed rank (ZeRO-2)

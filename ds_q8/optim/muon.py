@@ -75,6 +75,11 @@ class Muon8bitBlock(Optimizer8bitBlock):
       (a, b, c) = (3.4445, -4.7750, 2.0315) after normalizing by the Frobenius norm + 1e-7. Unlike
       DeepSpeed (bf16/fp16 where the accelerator has them) it always runs in fp32 temporaries, freed
       after each matrix, through torch matmuls. Conv filters are viewed as (out, -1);
+    * ``direction_bits`` (8, the default): the Nesterov direction that Newton-Schulz takes is first
+      quantized 8-bit block-wise in the matrix's own blocks, as the momentum is, so that a matrix cut
+      by ZeRO partition edges travels between its ranks as codes and block maxima (a quarter of its
+      fp32 bytes) and every world size steps the same bits. ``32`` keeps the fp32 direction
+      (DeepSpeed's arithmetic, up to its bf16 casts); a cut matrix then travels in fp32;
     * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default).
 
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
@@ -85,15 +90,17 @@ class Muon8bitBlock(Optimizer8bitBlock):
     rule = rules.ADAMW  # the class's rule: the auxiliary AdamW groups; Muon groups: MUON (rule_for)
 
     def __init__(self, params, lr=None, muon_lr=None, adam_lr=None, momentum=0.95, nesterov=True, ns_method="gram",
-                 ns_steps=5, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **options):
+                 ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **options):
         # the arguments are checked here, whatever the groups: a model without matrices still gets its errors
         for key, value in (("lr", lr), ("muon_lr", muon_lr), ("adam_lr", adam_lr)):
             if value is not None:
                 check_range(key, value, 0.0, math.inf)
-        _check_muon_settings(dict(momentum=momentum, nesterov=nesterov, ns_method=ns_method, ns_steps=ns_steps))
+        _check_muon_settings(dict(momentum=momentum, nesterov=nesterov, ns_method=ns_method, ns_steps=ns_steps,
+                                  direction_bits=direction_bits))
         check_adam_group(dict(betas=betas, eps=eps, weight_decay=weight_decay))
         super().__init__(params, dict(lr=lr, muon_lr=muon_lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov,
-                                      ns_method=ns_method, ns_steps=ns_steps, betas=betas, eps=eps,
+                                      ns_method=ns_method, ns_steps=ns_steps, direction_bits=direction_bits,
+                                      betas=betas, eps=eps,
                                       weight_decay=weight_decay), **options)
 
     def rule_for(self, group: dict):
@@ -156,6 +163,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
             beta = group["momentum"]
             return dict(one_minus_beta=1.0 - beta, nesterov=1.0 if group["nesterov"] else 0.0,
                         ns_gram=1.0 if group["ns_method"] == "gram" else 0.0, ns_steps=float(group["ns_steps"]),
+                        direction_bits=float(group["direction_bits"]),
                         lr=lr, weight_decay=wd, decay_factor=1.0 - lr * wd)
         beta1, beta2 = group["betas"]
         return dict(beta_hyper(group), eps=group["eps"], weight_decay=wd, decay_factor=1.0 - lr * wd,
@@ -171,6 +179,9 @@ def _check_muon_settings(group: dict) -> None:
     steps = group["ns_steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 100:
         raise ValueError(f"ns_steps must be an integer in [1, 100], got {steps!r}")
+    bits = group["direction_bits"]
+    if isinstance(bits, bool) or bits not in (8, 32):
+        raise ValueError(f"direction_bits must be 8 or 32, got {bits!r}")
 
 
 __all__ = ["Muon8bitBlock", "MUON", "default_use_muon", "tag_muon"]
