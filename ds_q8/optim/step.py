@@ -31,6 +31,7 @@ Which path a group takes is its ``impl`` option, decided here (:func:`kernel_rul
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -137,11 +138,14 @@ def _matrix_step(rule: Rule, work: Sequence[TensorStep], skip: Optional[torch.Te
         plan.add(t._replace(param=d))
         directions.append(d)
     plan.run()
-    if plan._skipped():
+    skipped = plan._skipped()
+    del plan  # its items hold the scratches
+    if skipped:
         return
-    for t, d in zip(work, directions):
-        _matrix_pass(rule, t, d.view(-1))
-        del d  # the scratch goes with its tensor: one tensor's fp32 temporaries at a time
+    for i, t in enumerate(work):
+        # the scratch goes with its tensor: _matrix_pass frees it as soon as it has what it needs
+        held, directions[i] = [directions[i].view(-1)], None
+        _matrix_pass(rule, t, held)
 
 
 def _param_shape(layout, seg) -> tuple:
@@ -154,16 +158,20 @@ def _param_shape(layout, seg) -> tuple:
                        "deepspeed.initialize)")
 
 
-def _matrix_pass(rule: Rule, t: TensorStep, d: torch.Tensor) -> None:
-    """Map each matrix's whole direction and step this tensor's slice of it.
+def _matrix_pass(rule: Rule, t: TensorStep, held: List[torch.Tensor]) -> None:
+    """Map each matrix's whole direction and step this tensor's slice of it (``held``: the tensor's
+    flat direction scratch, the only reference to it, so that it can be freed here).
 
     The matrix is mapped whole, in fp32, one at a time (its temporaries are freed before the next),
     by every rank that holds a slice of it, from the same bits: each rank steps its slice by the
-    same result, so the parameters do not depend on where partition edges fall."""
+    same result, so the parameters do not depend on where partition edges fall. With 8-bit
+    directions the fp32 scratch is freed once quantized, and each matrix is dequantized in turn."""
     layout, group, h = t.state.layout, t.group, t.hyper
     pf = layout.param_views(t.param)
+    d = held.pop()
     if h.get("direction_bits", 32.0) == 8.0:
         whole = _directions_8bit(layout, group, d)
+        del d
     else:
         cut = _exchange(layout, d)
         whole = {si: cut.get(seg.param_index, d[seg.start:seg.end]) for si, seg in enumerate(layout.segments)
@@ -173,6 +181,7 @@ def _matrix_pass(rule: Rule, t: TensorStep, d: torch.Tensor) -> None:
             continue
         shape = _param_shape(layout, seg)
         full = whole.pop(si)
+        full = full() if callable(full) else full
         o = rule.matrix(full.view(shape), h).reshape(-1)[seg.param_start:seg.param_end]
         dst = pf[seg.start:seg.end]
         if dst.dtype == torch.float32:
@@ -252,8 +261,8 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
     for si, seg, first, codes, absmax, f32 in qd.segment_params():
         if seg.param_index in cut:
             held[si] = (seg, first, codes, absmax, f32)
-        elif seg.eight_bit:
-            out[si] = F.dequantize_flat(codes[0], absmax[0], cmap, layout.segment_blocks(si)[2])
+        elif seg.eight_bit:  # dequantized when its turn comes
+            out[si] = functools.partial(F.dequantize_flat, codes[0], absmax[0], cmap, layout.segment_blocks(si)[2])
         else:
             out[si] = f32[0]
     if not cut:
@@ -288,7 +297,8 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
         n, eight = cut[seg.param_index]
         o, a, bs = offsets[seg.param_index]
         if eight:
-            out[si] = F.dequantize_flat(codes_buf[o:o + n], absmax_buf[a:a + (n + bs - 1) // bs], cmap, bs)
+            out[si] = functools.partial(F.dequantize_flat, codes_buf[o:o + n], absmax_buf[a:a + (n + bs - 1) // bs],
+                                        cmap, bs)
         else:
             out[si] = fp32_buf[o:o + n]
     return out
