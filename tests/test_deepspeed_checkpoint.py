@@ -31,6 +31,7 @@ SAME_SIZE = {  # tag -> config
     "a2": config(2, "AdEMAMix8bitBlock", opt_params={"t_alpha": 4, "t_beta3": 4}),  # three states
     "mu2": config(2, "Muon8bitBlock", lr=None, opt_params=MUON),  # a rule per group
 }
+MUON_CONFIG = SAME_SIZE["mu2"]
 TOTAL_PARAMS = 31296  # TinyLM
 # TinyLM's groups under Muon8bitBlock, as DeepSpeed tags them: the four matrices (emb, fc1, fc2, head;
 # none is named embed or lm_head) take Muon, the biases and the norm the auxiliary AdamW
@@ -70,10 +71,14 @@ def flow(tmp_path_factory):
         {"name": "mu2_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "mu2_uni"],
          "dump_state": str(work / "dump_c_mu2"), "config": config(2, "Muon8bitBlock", lr=None, opt_params=MUON,
                                                                   **UNIVERSAL)},
+        {"name": "mu1", "steps": SAVE_AT, "save": [ck, "mu1", SAVE_AT], "config": MUON_CONFIG},
     ] + [{"name": f"bytes_s{s}", "steps": 1, "config": config(s)} for s in (1, 2, 3)], work, "c_1rank", ranks=1)
+    to_universal(work / "ckpt" / "mu1", work / "ckpt" / "mu1_uni", work / "conv_mu1.log")
     to_universal(work / "ckpt" / "c1", work / "ckpt" / "c1_uni", work / "conv_c1.log")
     d = launch([{"name": "c1_uni", "steps": MORE, "start_step": SAVE_AT + MORE, "load": [ck, "c1_uni"],
-                 "dump_state": str(work / "dump_d_c1"), "config": config(2, **UNIVERSAL)}],
+                 "dump_state": str(work / "dump_d_c1"), "config": config(2, **UNIVERSAL)},
+                {"name": "mu1_uni", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "mu1_uni"],
+                 "dump_state": str(work / "dump_d_mu1"), "config": dict(MUON_CONFIG, **UNIVERSAL)}],
                work, "d_2ranks", ranks=2)
     return {"a": a, "b": b, "c": c, "d": d, "work": work}
 
@@ -163,6 +168,16 @@ def test_latest_universal_names_the_converted_folder(flow):
     # DeepSpeed's converter writes the folder it converted into (a temporary one) into latest_universal;
     # loading with tag=None under load_universal must find the folder the conversion produced
     assert (flow["work"] / "ckpt" / "latest_universal").read_text().strip() == "c1_uni"
+
+
+def test_muon_one_rank_to_two_carries_each_groups_state_over(flow):
+    for group, size in enumerate(GROUP_SIZES["mu2"]):
+        expected = _saved_fp32(flow["work"] / "ckpt" / "mu1", ds_q8.Muon8bitBlock, ranks=1, group=group, size=size)
+        got, dumps = _dumped(flow["work"] / "dump_d_mu1", ranks=2, group=group, size=size)
+        assert sorted(got) == sorted(expected) == (["momentum_buffer"] if group == 0 else ["exp_avg", "exp_avg_sq"])
+        assert [d["step"] for d in dumps] == [SAVE_AT] * 2
+        _assert_carried_over(expected, got)
+    assert flow["d"]["mu1_uni"]["state_steps"] == [SAVE_AT + MORE]
 
 
 def test_muon_state_bytes_are_the_estimate_per_rank(flow):
