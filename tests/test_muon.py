@@ -492,3 +492,22 @@ def test_two_ranks_at_every_zero_stage_and_offload_match_the_plain_loop(tmp_path
             api = b["api"]
             assert all("no_such_state" in m for m in api["bad_name"]), api["bad_name"]
             assert api["set_get_w4"] == 0.0 and api["set_get_norm"] == 0.0, api
+
+
+def test_compiled_codec_gives_the_reference_bits():
+    """impl="auto" (de)quantizes the momentum and the direction in the compiled kernels; "reference"
+    in functional.py: the same parameters and codes, step for step."""
+    runs = []
+    for impl in ("reference", "auto"):
+        params = _params()
+        opt = ds_q8.Muon8bitBlock(params, impl=impl, **dict(KW, block_size=BLOCK, min_8bit_size=0))
+        for s in range(4):
+            for p, g in zip(params, _grads(s)):
+                p.grad = g.clone()
+            opt.step()
+        runs.append((params, opt))
+    (pa, oa), (pb, ob) = runs
+    for a, b in zip(pa, pb):
+        assert torch.equal(a, b)
+        for k in oa.state[a]:
+            assert torch.equal(oa.state[a][k], ob.state[b][k]), k

@@ -218,12 +218,14 @@ class QuantizedState:
         return torch.cat(parts) if parts else torch.zeros(0)
 
     # ------------------------------------------------------------------ writing
-    def write(self, values: List[torch.Tensor], shared_absmax: Optional[Dict[int, List[float]]] = None) -> None:
+    def write(self, values: List[torch.Tensor], shared_absmax: Optional[Dict[int, List[float]]] = None,
+              quantize=None) -> None:
         """Set every state from flat fp32 ``values`` (tensor-long, one per state), requantizing.
 
         On a sharded tensor the maxima of blocks cut by partition edges are agreed across ranks with
         one all-reduce (every rank must call this then), unless ``shared_absmax`` gives them
-        (slot -> one value per state)."""
+        (slot -> one value per state). ``quantize(x, map, block_size) -> (codes, absmax)`` may do
+        the whole blocks (the compiled kernels: the same codes)."""
         layout, k = self.layout, self.num_states
         if layout.has32:
             f32 = self.fp32()
@@ -240,6 +242,10 @@ class QuantizedState:
                 _, _, bs = layout.segment_blocks(piece.segment)
                 for c, a, m, v in zip(codes, absmax, maps, values):
                     x = v[piece.start:piece.end]
+                    if quantize is not None:
+                        cs = slice(piece.codes_start, piece.codes_start + piece.numel)
+                        c[cs], a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = quantize(x, m, bs)
+                        continue
                     am = F.block_absmax(x, bs)
                     a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = am
                     c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, bs)

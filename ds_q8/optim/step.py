@@ -32,7 +32,7 @@ Which path a group takes is its ``impl`` option, decided here (:func:`kernel_rul
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -246,6 +246,10 @@ def _exchange(layout, d: torch.Tensor) -> Dict[int, torch.Tensor]:
     return {pi: buf[offsets[pi]:offsets[pi] + cut[pi][0]] for pi in sorted(held)}
 
 
+#: the direction's codec follows the group's impl, as for a rule without a fused kernel
+MATRIX_CODEC_RULE = Rule("", ("direction",), (True,), None)
+
+
 def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Tensor]:
     """``direction_bits=8`` (the default): each matrix's direction quantized 8-bit block-wise in its own
     blocks (signed map, to nearest; the maxima of blocks that partition edges cut agreed across ranks,
@@ -254,15 +258,17 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
     elsewhere) and one over their maxima, a quarter of the fp32 bytes. The values are the same bits
     wherever the edges fall. Returns ``{segment index: flat whole direction of its parameter}``."""
     qd = QuantizedState.create({}, layout, (True,), group["quantization"], d.device)
-    qd.write([d])
+    codec = block_codec(MATRIX_CODEC_RULE, group)
+    qd.write([d], quantize=None if codec is None else codec.quantize)
     cmap = qd.maps(d.device)[0]
+    dequantize = F.dequantize_flat if codec is None else codec.dequantize
     cut = split_params(layout) if layout.comm is not None else {}
     out, held = {}, {}
     for si, seg, first, codes, absmax, f32 in qd.segment_params():
         if seg.param_index in cut:
             held[si] = (seg, first, codes, absmax, f32)
         elif seg.eight_bit:  # dequantized when its turn comes
-            out[si] = functools.partial(F.dequantize_flat, codes[0], absmax[0], cmap, layout.segment_blocks(si)[2])
+            out[si] = functools.partial(dequantize, codes[0], absmax[0], cmap, layout.segment_blocks(si)[2])
         else:
             out[si] = f32[0]
     if not cut:
@@ -297,8 +303,7 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
         n, eight = cut[seg.param_index]
         o, a, bs = offsets[seg.param_index]
         if eight:
-            out[si] = functools.partial(F.dequantize_flat, codes_buf[o:o + n], absmax_buf[a:a + (n + bs - 1) // bs],
-                                        cmap, bs)
+            out[si] = functools.partial(dequantize, codes_buf[o:o + n], absmax_buf[a:a + (n + bs - 1) // bs], cmap, bs)
         else:
             out[si] = fp32_buf[o:o + n]
     return out
@@ -413,8 +418,9 @@ class _Plan:
             sums = [self.sums_of[id(it)] for it in items] if self.sums_of else None
             rest = fused_step_many(rule, items, group, h, skip=self.skip, error_sums=sums)
             if rest and not self._skipped():
+                quant = block_codec(rule, group)
                 for item in rest:
-                    reference_step_8bit(rule, item, group, h, error_sums=self.sums_of.get(id(item)))
+                    reference_step_8bit(rule, item, group, h, error_sums=self.sums_of.get(id(item)), codec=quant)
         for group, h, items in self.fp32.values():
             rest = fused_step_fp32_many(rule, items, group, h, skip=self.skip)
             if rest and not self._skipped():
@@ -549,12 +555,42 @@ def reference_step_32bit(rule: Rule, item: Item32, group: dict, h) -> None:
         write_param(p.data, p32, sr)
 
 
-def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None) -> None:
+class BlockCodec(NamedTuple):
+    """Block-wise (de)quantization by the compiled kernels, for a rule that has no fused step
+    (Muon's momentum): the same codes and values as functional.py's, which is their specification
+    (``tests/test_kernels.py``). ``quantize(x, map, bs) -> (codes, absmax)`` rounds to nearest."""
+    quantize: Callable
+    dequantize: Callable
+
+
+def block_codec(rule: Rule, group: dict) -> Optional[BlockCodec]:
+    """The compiled codec where ``rule`` has no fused kernel and the group may use kernels
+    (``impl`` not ``"reference"``); None: functional.py's."""
+    if rule.name or group.get("impl", "auto") == "reference":
+        return None
+    return BlockCodec(_kernel_quantize, _kernel_dequantize)
+
+
+def _kernel_quantize(x: torch.Tensor, code: torch.Tensor, bs: int):
+    try:
+        return ops.quantize_blockwise(x, code, bs)
+    except ValueError:  # a non-finite value: the reference maps it as the step's specification says
+        am = F.block_absmax(x, bs)
+        return F.quantize_with_absmax(x, am, code, bs), am
+
+
+def _kernel_dequantize(codes: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, bs: int) -> torch.Tensor:
+    return ops.dequantize_blockwise(codes, absmax, code, bs)
+
+
+def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None,
+                        codec: Optional[BlockCodec] = None) -> None:
     """The specification of the 8-bit step, on a tensor (or piece) whose first element starts a block.
 
     ``item.rounding`` is None or ``(key, index of p's first element in its parameter)``: the random
     bits of stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
-    :func:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error."""
+    :func:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error.
+    ``codec`` (:func:`block_codec`) dequantizes and requantizes (to nearest) in the compiled kernels."""
     p, grad, codes, absmax, sr = item
     bs = F.resolve_block_size(group["block_size"], p.numel())
     maps = maps_of(rule, group, p.device)
@@ -573,9 +609,13 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
         b0, b1 = start // bs, F.num_blocks(end, bs)
         p32 = pf[start:end] if p.dtype == torch.float32 else pf[start:end].to(torch.float32)
         g32 = gf[start:end].to(torch.float32)
-        states = [F.dequantize_flat(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
+        dequantize = F.dequantize_flat if codec is None else codec.dequantize
+        states = [dequantize(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
         rule.update(p32, g32, states, h)
         for c, a, m, s, key in zip(flat_codes, absmax, maps, states, state_keys):
+            if codec is not None and key is None:
+                c[start:end], a[b0:b1] = codec.quantize(s, m, bs)
+                continue
             new_absmax = F.block_absmax(s, bs)
             a[b0:b1] = new_absmax
             bits = None if key is None else rounding.random_bits(
