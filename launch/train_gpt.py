@@ -95,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop after this step as if interrupted; the schedule still spans --max_steps")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="discard an earlier run's checkpoints in save_dir")
+    ap.add_argument("--world_invariant_data", action="store_true",
+                    help="draw micro-batch m of step s on rank r as the run's micro-batch (s * grad_accum + m) * "
+                         "world + r, not per rank: 1 rank with --grad_accum 2 then sees the batches 2 ranks with "
+                         "--grad_accum 1 see, in the order they are summed (the same at world size 1)")
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -319,7 +323,10 @@ def main(argv=None) -> dict:
         lr = engine.get_lr()[0]  # the rate this step uses
         loss_sum = 0.0
         for micro in range(gas):
-            x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
+            if args.world_invariant_data:
+                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, 0, (step * gas + micro) * world + rank)
+            else:
+                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
             logits = engine(input_ids=x.to(device)).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1))
             engine.backward(loss)
