@@ -20,6 +20,13 @@ stepped as one tensor, as a flat partition of ``--segments`` parameters (one ker
 their pieces), and as that partition cut mid-block at both ends by partition edges (the two shared
 blocks take the batched reference path and an all-reduce, here within a one-rank group).
 
+A Muon table (``--muon SHAPE ...``, default the four matrices of one GPT-2-small block) steps the same
+matrices with DeepSpeed's Muon, ``muon_update`` as its ZeRO-1/2 calls it on each matrix (torch.compile'd,
+Newton-Schulz in the dtype DeepSpeed picks for the accelerator) followed by its weight update, and with
+Muon8bitBlock, and gives the momentum bytes each keeps. On a CPU that other processes load, run it with
+``OMP_WAIT_POLICY=PASSIVE`` (torch must not have started yet): spinning OpenMP threads made both Muon steps on
+three small matrices 100-130x slower on the 2-core development machine.
+
 On CPU a third table separates arithmetic from memory traffic: each of a few implementations steps
 two small parameters whose data stays in cache, on one thread, and the difference of the two times
 gives its cost per parameter without the per-call overhead. Scaled to N parameters over the run's
@@ -256,6 +263,83 @@ def partition_rows(n: int, count: int, device: str) -> List[dict]:
     return rows
 
 
+#: the matrices of one GPT-2-small block, as HF's Conv1D stores them: attention in, attention out, MLP in, MLP out
+GPT2_BLOCK_SHAPES = ((768, 2304), (768, 768), (768, 3072), (3072, 768))
+MUON_LR, MUON_BETA = 0.02, 0.95
+
+
+def parse_shape(text: str) -> tuple:
+    rows, sep, cols = text.lower().partition("x")
+    if not sep or not rows.isdigit() or not cols.isdigit() or int(rows) < 1 or int(cols) < 1:
+        raise argparse.ArgumentTypeError(f"a matrix shape is ROWSxCOLS with positive integers, got {text!r}")
+    return int(rows), int(cols)
+
+
+def _matrices(shapes, device: str, seed: int) -> List[torch.nn.Parameter]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.randn(shape, generator=g, device=device).mul_(0.02))
+        p.grad = torch.randn(shape, generator=g, device=device).mul_(1e-2)
+        out.append(p)
+    return out
+
+
+def muon_rows(shapes, device: str, skip=()) -> List[dict]:
+    """One Muon step over matrices of ``shapes``: DeepSpeed's (``muon_update`` per matrix, then its decay and
+    step as ZeRO-1/2 and MuonWithAuxAdam apply them) and Muon8bitBlock's. Each row also carries
+    ``state_bytes``, the momentum it keeps (DeepSpeed: its fp32 buffer in the optimizer state)."""
+    rows = []
+
+    def add(name, make):
+        if any(s and s in name for s in skip):
+            return
+        try:
+            step, state_bytes = make()
+        except Exception as exc:  # DeepSpeed missing or its compile failing
+            print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
+            return
+        step()  # the first step makes the state (and compiles DeepSpeed's muon_update)
+        rows.append(dict(name=name, bytes=0, step=step, state_bytes=state_bytes()))
+
+    def deepspeed_muon():
+        from deepspeed.runtime.zero.muon.original_muon import muon_update
+
+        params = _matrices(shapes, device, 0)
+        momenta = [torch.zeros_like(p) for p in params]
+
+        @torch.no_grad()
+        def step():
+            for p, m in zip(params, momenta):
+                # ZeRO-1/2 hands muon_update the reduced gradient, which it overwrites (Nesterov) as it does here
+                update = muon_update(p.grad, m, MUON_BETA, ns_method="gram")
+                p.mul_(1 - MUON_LR * 0.0)
+                p.add_(update.reshape(p.shape), alpha=-MUON_LR)
+        return step, lambda: sum(m.numel() * m.element_size() for m in momenta)
+
+    def ours(bits=8):
+        params = _matrices(shapes, device, 0)
+        opt = ds_q8.Muon8bitBlock([dict(params=params, use_muon=True)], muon_lr=MUON_LR, momentum=MUON_BETA,
+                                  optim_bits=bits)
+        return opt.step, lambda: sum(t.numel() * t.element_size() for st in opt.state.values() for k, t in st.items()
+                                     if torch.is_tensor(t) and k != "step")
+
+    add("DeepSpeed Muon (muon_update, fp32 momentum)", deepspeed_muon)
+    add("ds_q8 Muon8bitBlock (8-bit momentum)", ours)
+    # the same step with fp32 momentum: what the 8-bit state costs, apart from the Newton-Schulz iteration
+    add("ds_q8 Muon8bitBlock (optim_bits=32)", lambda: ours(32))
+    return rows
+
+
+def muon_ns_dtype() -> Optional[str]:
+    """The dtype DeepSpeed's Gram Newton-Schulz runs in on this machine's accelerator."""
+    try:
+        from deepspeed.runtime.zero.muon.original_muon import ns_compute_dtype
+    except Exception:  # noqa: BLE001
+        return None
+    return str(ns_compute_dtype("gram")).replace("torch.", "")
+
+
 # The rows whose arithmetic cost is worth knowing apart from memory traffic.
 IN_CACHE_ROWS = ("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", "torch AdamW fused", "DeepSpeedCPUAdam")
 
@@ -334,6 +418,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--segments", type=int, default=150, metavar="COUNT",
                     help="partition table: the N elements as a flat partition of COUNT parameters (default 150; "
                          "0 skips it)")
+    ap.add_argument("--muon", type=parse_shape, nargs="*", default=list(GPT2_BLOCK_SHAPES), metavar="ROWSxCOLS",
+                    help="Muon table: one step over matrices of these shapes, DeepSpeed's Muon against Muon8bitBlock "
+                         "(default: one GPT-2-small block, 768x2304 768x768 768x3072 3072x768; none given skips it)")
+    ap.add_argument("--muon-only", action="store_true", help="only the Muon table")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
@@ -352,6 +440,20 @@ def main(argv=None) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda needs a visible GPU")
     warnings.simplefilter("ignore", UserWarning)
+
+    muon_table = []
+    if args.muon:
+        muon = muon_rows(args.muon, args.device, skip=args.skip)
+        measure(muon, args.reps, args.device)
+        elements = sum(r * c for r, c in args.muon)
+        base = next((r["time"] for r in muon if r["name"].startswith("DeepSpeed")), None)
+        muon_table = [dict(name=r["name"], ms=1e3 * r["time"], ratio=r["time"] / base if base else None,
+                           momentum_bytes=r["state_bytes"], bytes_per_param=r["state_bytes"] / elements,
+                           runs_ms=[1e3 * t for t in r["times"]]) for r in muon]
+        del muon
+        _release(args.device)
+    if args.muon_only:
+        return _print_muon(args, muon_table)
 
     baseline = "torch AdamW fused"
     # each section's tensors are freed before the next one is built: at 1.5e9 parameters on a GPU
@@ -426,8 +528,27 @@ def main(argv=None) -> dict:
                   "(median of per-repetition ratios)")
     print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
     result = dict(config=config, step=step_table, in_cache=in_cache, copy=copy_table,
-                  many=dict(count=count, size=size, step=many_table), partition=part_table, quantization=quant_table)
+                  many=dict(count=count, size=size, step=many_table), partition=part_table, quantization=quant_table,
+                  muon=_print_muon(args, muon_table)["muon"])
     if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def _print_muon(args, muon_table: List[dict]) -> dict:
+    result = dict(muon=dict(shapes=[list(s) for s in args.muon or []], ns_dtype=muon_ns_dtype(), step=muon_table))
+    if muon_table:
+        shapes = " ".join(f"{r}x{c}" for r, c in args.muon)
+        print(f"\nMuon step over {shapes} ({sum(r * c for r, c in args.muon)} parameters), {args.device}, "
+              f"{torch.get_num_threads()} threads; DeepSpeed's Gram Newton-Schulz in "
+              f"{result['muon']['ns_dtype']}, Muon8bitBlock's in float32; median of {args.reps} interleaved runs")
+        print("| implementation | ms / step | ratio to DeepSpeed Muon | momentum bytes | bytes / parameter |")
+        print("|---|---:|---:|---:|---:|")
+        for r in muon_table:
+            ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+            print(f"| {r['name']} | {r['ms']:.1f} | {ratio} | {r['momentum_bytes']:,} | {r['bytes_per_param']:.4f} |")
+    if args.muon_only and args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return result

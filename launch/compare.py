@@ -1,6 +1,7 @@
-"""Train the same GPT with 8-bit and 32-bit optimizer state, fp32 and bf16 masters; write a report and plots.
+"""Train the same GPT with 8-bit and 32-bit optimizer state, fp32 and bf16 masters, Adam and Muon; write a
+report and plots.
 
-    python launch/compare.py                         # tiny GPT on CPU, five runs, a few minutes
+    python launch/compare.py                         # tiny GPT on CPU, seven runs, a few minutes
     python launch/compare.py --runs 8bit 32bit       # just the first two
     python launch/compare.py --max_steps 2000 --config 8bit=ds_configs/gpt2_small_8bit_zero2.json \
         --config 32bit=MY_32BIT.json --launcher "deepspeed --num_gpus 8" -- --model gpt2
@@ -11,7 +12,11 @@ The runs (``--runs``; ``--config NAME=FILE`` replaces a run's DeepSpeed config):
 * ``8bit``: ds_q8 Adam8bitBlock, fp32 masters;
 * ``bf16_states``: DeepSpeed's Adam with bf16 master weights and bf16 moments;
 * ``8bit_bf16``: Adam8bitBlock with bf16 master weights, written with stochastic rounding;
-* ``8bit_bf16_nosr``: the same rounded to nearest, to show what stochastic rounding buys.
+* ``8bit_bf16_nosr``: the same rounded to nearest, to show what stochastic rounding buys;
+* ``muon``: DeepSpeed's own Muon (``"type": "Muon"``: MuonWithAuxAdam, fp32 momentum, run by ZeRO-2),
+  with torch's AdamW for the parameters Muon leaves out;
+* ``muon8bit``: ds_q8 Muon8bitBlock, the same tags, learning rates and schedule with 8-bit momentum and
+  8-bit auxiliary AdamW; compared with ``muon`` as well as with the 32-bit baseline.
 
 Arguments after ``--`` (and any this script does not know) go to every run of train_gpt.py.
 All runs share model, data, seed and schedule; only the DeepSpeed config differs.
@@ -41,15 +46,18 @@ RUNS = {
     "bf16_states": ("tiny_cpu_bf16_states.json", "32-bit Adam, bf16 masters and moments"),
     "8bit_bf16": ("tiny_cpu_8bit_bf16master.json", "8-bit, bf16 masters, stochastic rounding"),
     "8bit_bf16_nosr": ("tiny_cpu_8bit_bf16master_nosr.json", "8-bit, bf16 masters, round to nearest"),
+    "muon": ("tiny_cpu_muon.json", "DeepSpeed Muon, fp32 momentum"),
+    "muon8bit": ("tiny_cpu_muon8bit.json", "Muon8bitBlock, 8-bit momentum"),
 }
+MUON_BASELINE = "muon"  # what muon8bit is held against as well
 BASELINE = "32bit"
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam, fp32 and bf16 masters, on the same GPT: report "
-                                             "and loss plot.")
+    ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam, fp32 and bf16 masters, and 8-bit vs DeepSpeed's "
+                                             "Muon, on the same GPT: report and loss plot.")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
-                    help="which runs, in this order (default: all five)")
+                    help="which runs, in this order (default: all seven)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="the DeepSpeed config of run NAME (repeatable)")
     ap.add_argument("--save_dir", default=str(REPO / "out" / "compare"))
@@ -91,8 +99,9 @@ def load_run(save_dir: Path, run: str) -> dict:
 
 
 COLORS = {"32bit": "tab:orange", "8bit": "tab:blue", "bf16_states": "tab:green", "8bit_bf16": "tab:purple",
-          "8bit_bf16_nosr": "tab:red"}
-STYLES = {"32bit": "-", "8bit": "--", "bf16_states": "-.", "8bit_bf16": ":", "8bit_bf16_nosr": (0, (5, 1, 1, 1))}
+          "8bit_bf16_nosr": "tab:red", "muon": "tab:brown", "muon8bit": "tab:cyan"}
+STYLES = {"32bit": "-", "8bit": "--", "bf16_states": "-.", "8bit_bf16": ":", "8bit_bf16_nosr": (0, (5, 1, 1, 1)),
+          "muon": "-", "muon8bit": "--"}
 
 
 def plot(runs: dict, path: Path) -> None:
@@ -131,6 +140,26 @@ def _mean_last(metrics: list, key: str, n: int = 10) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def _muon_line(ours: dict, theirs: dict) -> str:
+    """muon8bit against DeepSpeed's Muon: eval loss, state and momentum bytes."""
+    d_eval = ours["final_eval_loss"] - theirs["final_eval_loss"]
+    pct = 100 * (ours["final_eval_loss"] / theirs["final_eval_loss"] - 1)
+    text = (f"- {RUNS['muon8bit'][1]} against {RUNS[MUON_BASELINE][1]}: eval loss {d_eval:+.4f} nats/token "
+            f"({pct:+.2f}%); optimizer state {ours['optimizer_state_bytes'] / theirs['optimizer_state_bytes']:.3f}x "
+            "its bytes")
+    if "muon_params" in ours and "muon_params" in theirs:
+        text += (f"; Muon momentum {ours['muon_momentum_bytes']:,} against {theirs['muon_momentum_bytes']:,} bytes "
+                 f"for {ours['muon_params']:,} Muon parameters")
+        if ours.get("muon_momentum_elements_8bit"):
+            text += (f" ({ours['muon_momentum_bytes_8bit'] / ours['muon_momentum_elements_8bit']:.4f} bytes per "
+                     f"parameter in the 8-bit groups, {ours['muon_momentum_elements_8bit']:,} parameters; the rest "
+                     "is kept in 32 bits, as the trainer's groups keep the embeddings)")
+        if theirs.get("muon_staging_bytes"):
+            text += (f"; DeepSpeed's ZeRO-2 also holds {theirs['muon_staging_bytes']:,} bytes of staged momentum "
+                     "outside the optimizer state")
+    return text + "."
+
+
 def report(runs: dict, plot_name: str) -> str:
     names = list(runs)
     summaries = {n: runs[n]["summary"] for n in names}
@@ -151,9 +180,17 @@ def report(runs: dict, plot_name: str) -> str:
         ("optimizer state per parameter (bytes)", lambda s, m: f"{s['optimizer_state_bytes'] / s['n_params']:.3f}"),
         ("peak RSS of rank 0 (MB)", lambda s, m: f"{s['peak_rss_bytes_rank0'] / 2**20:.0f}"),
     ]
+    muon_base = summaries.get(MUON_BASELINE)
+    if muon_base is not None and "muon8bit" in summaries:
+        rows.insert(8, ("eval loss vs DeepSpeed Muon", lambda s, m: (
+            f"{100 * (s['final_eval_loss'] / muon_base['final_eval_loss'] - 1):+.2f}%" if "muon_params" in s else "")))
+    if any("muon_params" in s for s in summaries.values()):
+        rows.append(("Muon momentum per Muon parameter (bytes)", lambda s, m: (
+            f"{s['muon_momentum_bytes'] / s['muon_params']:.3f}" if "muon_params" in s else "")))
     if all("peak_device_bytes_rank0" in s for s in summaries.values()):
         rows.append(("peak GPU memory of rank 0 (MB)", lambda s, m: f"{s['peak_device_bytes_rank0'] / 2**20:.0f}"))
-    lines = [f"# 8-bit vs 32-bit Adam, fp32 and bf16 masters: {base['model']} GPT-2", "",
+    title = "8-bit vs 32-bit Adam, fp32 and bf16 masters" + (", and Muon" if muon_base is not None else "")
+    lines = [f"# {title}: {base['model']} GPT-2", "",
              "| | " + " | ".join(RUNS[n][1] for n in names) + " |", "|---|" + "---:|" * len(names)]
     for label, fn in rows:
         lines.append(f"| {label} | " + " | ".join(str(fn(summaries[n], runs[n]["metrics"])) for n in names) + " |")
@@ -165,6 +202,8 @@ def report(runs: dict, plot_name: str) -> str:
         ratio = summaries[n]["optimizer_state_bytes"] / base["optimizer_state_bytes"]
         lines.append(f"- {RUNS[n][1]}: eval loss {d_eval:+.4f} nats/token against the 32-bit run (perplexity ratio "
                      f"{math.exp(d_eval):.4f}); optimizer state {ratio:.3f}x its bytes.")
+    if muon_base is not None and "muon8bit" in summaries:
+        lines.append(_muon_line(summaries["muon8bit"], muon_base))
     lines += [
         "",
         "Peak RSS includes the Python process, libraries and the data; on a small model it hides the optimizer "

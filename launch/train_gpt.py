@@ -95,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="stop after this step as if interrupted; the schedule still spans --max_steps")
     ap.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     ap.add_argument("--overwrite", action="store_true", help="discard an earlier run's checkpoints in save_dir")
+    ap.add_argument("--world_invariant_data", action="store_true",
+                    help="draw micro-batch m of step s on rank r as the run's micro-batch (s * grad_accum + m) * "
+                         "world + r, not per rank: 1 rank with --grad_accum 2 then sees the batches 2 ranks with "
+                         "--grad_accum 1 see, in the order they are summed (the same at world size 1)")
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -164,6 +168,30 @@ def quantization_record(report: dict) -> dict:
 
 def optimizer_state_bytes(opt) -> int:
     return sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t))
+
+
+def muon_momentum_bytes(opt) -> tuple:
+    """(bytes, elements, 8-bit bytes, 8-bit elements) of the momentum of the optimizer's Muon groups
+    (``use_muon``): every state tensor but the step count, so block maxima count; the 8-bit pair covers
+    the groups whose momentum is kept in 1-byte codes. All zeros for an optimizer without Muon groups."""
+    total = elements = total8 = elements8 = 0
+    for group in opt.param_groups:
+        if not group.get("use_muon"):
+            continue
+        for p in group["params"]:
+            tensors = [t for k, t in opt.state.get(p, {}).items() if k != "step" and torch.is_tensor(t)]
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            total, elements = total + size, elements + p.numel()
+            if any(t.element_size() == 1 for t in tensors):
+                total8, elements8 = total8 + size, elements8 + p.numel()
+    return total, elements, total8, elements8
+
+
+def muon_staging_bytes(engine) -> int:
+    """Bytes of the second momentum copy DeepSpeed's ZeRO-1/2 keeps for its own Muon outside the optimizer
+    state (the momentum of the step in flight, committed once the step survives the overflow check)."""
+    staged = getattr(engine.optimizer, "_muon_pending_momentum", None) or {}
+    return sum(t.numel() * t.element_size() for t, _ in staged.values() if torch.is_tensor(t))
 
 
 def all_reduce_sum(values, device):
@@ -295,7 +323,10 @@ def main(argv=None) -> dict:
         lr = engine.get_lr()[0]  # the rate this step uses
         loss_sum = 0.0
         for micro in range(gas):
-            x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
+            if args.world_invariant_data:
+                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, 0, (step * gas + micro) * world + rank)
+            else:
+                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
             logits = engine(input_ids=x.to(device)).logits
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1))
             engine.backward(loss)
@@ -331,7 +362,9 @@ def main(argv=None) -> dict:
     # ---- summary
     opt_bytes = optimizer_state_bytes(innermost_optimizer(engine))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    total_opt_bytes, rss_sum = all_reduce_sum([opt_bytes, peak_rss], device)
+    muon = muon_momentum_bytes(innermost_optimizer(engine))
+    total_opt_bytes, rss_sum, *muon = all_reduce_sum([opt_bytes, peak_rss, *muon, muon_staging_bytes(engine)],
+                                                     device)
     hosts = dist_setup.hostnames()
     steady = step_times[1:] or step_times  # the first step pays for lazy state and warm-up
     summary = dict(
@@ -343,6 +376,12 @@ def main(argv=None) -> dict:
         optimizer_state_bytes=int(total_opt_bytes), optimizer_state_bytes_rank0=opt_bytes,
         peak_rss_bytes_rank0=peak_rss, peak_rss_bytes_sum=int(rss_sum), hosts=hosts,
     )
+    if muon[1]:  # Muon groups: their momentum, all ranks (elements: of the partitions that hold it)
+        summary.update(muon_params=sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()
+                                      if getattr(p, "use_muon", False)),
+                       muon_momentum_bytes=int(muon[0]), muon_momentum_elements=int(muon[1]),
+                       muon_momentum_bytes_8bit=int(muon[2]), muon_momentum_elements_8bit=int(muon[3]),
+                       muon_staging_bytes=int(muon[4]))
     if torch.cuda.is_available():
         summary["peak_device_bytes_rank0"] = torch.cuda.max_memory_allocated()
     if rank == 0:

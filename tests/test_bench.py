@@ -9,7 +9,7 @@ from ds_q8 import bench
 def test_bench_small_run_writes_every_table(tmp_path, capsys):
     out = tmp_path / "bench.json"
     result = bench.main(["--n", "3000", "--reps", "1", "--many", "3", "700", "--skip", "foreach", "--skip", "DeepSpeedCPUAdam",
-                         "--in-cache", "2048", "8192", "--json", str(out)])
+                         "--in-cache", "2048", "8192", "--muon", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     names = [r["name"] for r in result["step"]]
     assert "ds_q8 AdamW8bitBlock (kernel)" in names and "torch AdamW fused" in names
@@ -42,20 +42,36 @@ def test_bench_in_cache_restores_the_thread_count_and_can_be_skipped():
     import torch
     threads = torch.get_num_threads()
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
-                         "--in-cache", "0", "0"])
+                         "--in-cache", "0", "0", "--muon"])
     assert result["in_cache"] == [] and torch.get_num_threads() == threads
     assert len(result["partition"]) == 4  # 2048 elements in 150 parameters: sizes of 13-14
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
-                         "--in-cache", "0", "0", "--segments", "0"])
+                         "--in-cache", "0", "0", "--segments", "0", "--muon"])
     assert result["partition"] == []
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "DeepSpeed",
-                         "--in-cache", "1024", "2048"])
+                         "--in-cache", "1024", "2048", "--muon"])
     assert len(result["in_cache"]) == 2 and torch.get_num_threads() == threads
+
+
+def test_bench_muon_table_sets_deepspeed_muon_against_muon8bitblock(tmp_path, capsys):
+    out = tmp_path / "muon.json"
+    result = bench.main(["--muon", "96x160", "160x96", "64x64", "--muon-only", "--reps", "2", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = {r["name"]: r for r in result["muon"]["step"]}
+    ds, ours = rows["DeepSpeed Muon (muon_update, fp32 momentum)"], rows["ds_q8 Muon8bitBlock (8-bit momentum)"]
+    n = 96 * 160 * 2 + 64 * 64
+    assert ds["momentum_bytes"] == 4 * n and ds["ratio"] == 1.0
+    # one code byte per element and one fp32 maximum per 2048-element block of each matrix
+    assert ours["momentum_bytes"] == n + 4 * (8 + 8 + 2)
+    assert rows["ds_q8 Muon8bitBlock (optim_bits=32)"]["momentum_bytes"] == 4 * n
+    assert all(r["ms"] > 0 and len(r["runs_ms"]) == 2 for r in rows.values())
+    assert result["muon"]["shapes"] == [[96, 160], [160, 96], [64, 64]]
+    assert "| ds_q8 Muon8bitBlock (8-bit momentum) |" in capsys.readouterr().out
 
 
 def test_bench_no_reference_leaves_out_every_reference_row():
     result = bench.main(["--n", "2048", "--reps", "1", "--many", "0", "0", "--no-reference", "--skip", "torch",
-                         "--skip", "DeepSpeed"])
+                         "--skip", "DeepSpeed", "--muon"])
     rows = result["step"] + result["quantization"]
     assert rows and not any("reference" in r["name"] for r in rows)
     assert not any(r["name"].startswith(("torch", "DeepSpeed")) for r in result["step"])
@@ -70,6 +86,8 @@ def test_bench_no_reference_leaves_out_every_reference_row():
     (["--in-cache", "4096", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
     (["--in-cache", "0", "1024"], "--in-cache needs two sizes with 0 < SMALL < LARGE"),
     (["--n", "100", "--segments", "101"], "--segments must be in [0, --n]"),
+    (["--muon", "768"], "a matrix shape is ROWSxCOLS"),
+    (["--muon", "0x768"], "a matrix shape is ROWSxCOLS"),
 ])
 def test_bench_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):

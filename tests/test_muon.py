@@ -511,3 +511,30 @@ def test_compiled_codec_gives_the_reference_bits():
         assert torch.equal(a, b)
         for k in oa.state[a]:
             assert torch.equal(oa.state[a][k], ob.state[b][k]), k
+
+
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_gpt_job_at_one_and_two_ranks_ends_bit_identical(tmp_path):
+    """The GPT job (launch/train_gpt.py, ds_configs/tiny_cpu_muon8bit.json: ZeRO-2, no clipping) with the
+    same global batch, 1 rank x 2 accumulation steps against 2 ranks x 1, batches drawn by their index in
+    the run (--world_invariant_data): the final parameters in the two checkpoints are the same bits."""
+    from ds_launch import REPO, free_port, run_checked
+
+    train = REPO / "launch" / "train_gpt.py"
+    args = ["--deepspeed_config", str(REPO / "ds_configs" / "tiny_cpu_muon8bit.json"), "--max_steps", "4",
+            "--micro_batch", "4", "--context", "64", "--eval_interval", "0", "--eval_batches", "2", "--save_interval",
+            "0", "--world_invariant_data", "--no_progress", "--overwrite"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_checked([sys.executable, str(train), *args, "--grad_accum", "2", "--save_dir", str(one),
+                 "--master_port", str(free_port())], tmp_path / "one.log", 300)
+    run_checked([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "0",
+                 str(train), *args, "--grad_accum", "1", "--save_dir", str(two)], tmp_path / "two.log", 600,
+                result=two / "summary.json")
+    a = torch.load(one / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    b = torch.load(two / "step4" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert a.keys() == b.keys() and len(a) > 10
+    for name in a:
+        assert torch.equal(a[name], b[name]), (name, (a[name] - b[name]).abs().max().item())

@@ -68,7 +68,7 @@ def test_every_shipped_config_is_json_with_a_known_optimizer():
     readme = (CONFIGS / "README.md").read_text()
     for name in names:
         cfg = json.loads((CONFIGS / name).read_text())
-        assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam"}, name
+        assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam", "Muon"}, name
         assert name in readme, f"{name} is not explained in ds_configs/README.md"
     xl8 = json.loads((CONFIGS / "gpt2_xl_8bit_zero2.json").read_text())
     xl32 = json.loads((CONFIGS / "gpt2_xl_32bit_zero2.json").read_text())
@@ -80,6 +80,13 @@ def test_every_shipped_config_is_json_with_a_known_optimizer():
         assert xl8[k] == xl32[k], k
     for k in ("lr", "betas", "eps", "weight_decay"):
         assert xl8["optimizer"]["params"][k] == xl32["optimizer"]["params"][k], k
+    # the Muon twins: the same config but for the type, and torch's AdamW as DeepSpeed Muon's auxiliary Adam
+    muon8 = json.loads((CONFIGS / "tiny_cpu_muon8bit.json").read_text())
+    muon = json.loads((CONFIGS / "tiny_cpu_muon.json").read_text())
+    assert (muon8["optimizer"]["type"], muon["optimizer"]["type"]) == ("Muon8bitBlock", "Muon")
+    assert muon["optimizer"]["params"].pop("torch_adam") is True
+    assert muon8["optimizer"]["params"] == muon["optimizer"]["params"]
+    assert {k: v for k, v in muon8.items() if k != "optimizer"} == {k: v for k, v in muon.items() if k != "optimizer"}
 
 
 # ---------------------------------------------------------------- data

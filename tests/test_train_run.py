@@ -100,3 +100,22 @@ def test_comparison_report_and_plot(tmp_path):
     assert s8["optimizer_state_bytes"] < 0.5 * s32["optimizer_state_bytes"]
     # both runs saw the same batches from the same start: the first losses agree (lr is tiny at step 1)
     assert metrics(out / "8bit")[0]["loss"] == metrics(out / "32bit")[0]["loss"]
+
+
+def test_comparison_holds_muon8bit_against_deepspeeds_muon(tmp_path):
+    out = tmp_path / "cmp"
+    run([sys.executable, LAUNCH / "compare.py", "--save_dir", out, "--max_steps", "3", "--runs", "32bit", "muon",
+         "muon8bit", "--", "--eval_interval", "0", "--no_progress", *SMALL], timeout=600)
+    text = (out / "report.md").read_text()
+    assert "| optimizer | Adam | MuonWithAuxAdam | Muon8bitBlock |" in text
+    assert "| eval loss vs DeepSpeed Muon |  | +0.00% |" in text
+    ds, ours = summary(out / "muon"), summary(out / "muon8bit")
+    # the same tags: DeepSpeed's for "Muon", ds_q8's copy of them for Muon8bitBlock
+    assert ds["muon_params"] == ours["muon_params"] > 0.9 * ds["n_params"]
+    assert ds["muon_momentum_bytes"] == 4 * ds["muon_params"] and ds["muon_staging_bytes"] == 4 * ds["muon_params"]
+    assert 1.0 < ours["muon_momentum_bytes_8bit"] / ours["muon_momentum_elements_8bit"] < 1.01
+    assert ours["muon_staging_bytes"] == 0
+    assert "Muon momentum per Muon parameter (bytes) |  | 4.000 |" in text
+    assert "Muon8bitBlock, 8-bit momentum against DeepSpeed Muon, fp32 momentum: eval loss" in text
+    # the same batches from the same start: the first losses agree
+    assert metrics(out / "muon")[0]["loss"] == metrics(out / "muon8bit")[0]["loss"]
