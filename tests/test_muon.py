@@ -497,15 +497,21 @@ def test_two_ranks_at_every_zero_stage_and_offload_match_the_plain_loop(tmp_path
 def test_compiled_codec_gives_the_reference_bits():
     """impl="auto" (de)quantizes the momentum and the direction in the compiled kernels; "reference"
     in functional.py: the same parameters and codes, step for step."""
-    runs = []
+    from ds_q8 import ops
+
+    runs, kernel_calls = [], []
     for impl in ("reference", "auto"):
         params = _params()
         opt = ds_q8.Muon8bitBlock(params, impl=impl, **dict(KW, block_size=BLOCK, min_8bit_size=0))
+        before = ops.CALLS[("cpu", "quantize")]
         for s in range(4):
             for p, g in zip(params, _grads(s)):
                 p.grad = g.clone()
             opt.step()
+        kernel_calls.append(ops.CALLS[("cpu", "quantize")] - before)
         runs.append((params, opt))
+    # each path really ran: the reference never calls the compiled quantize, auto always does
+    assert kernel_calls[0] == 0 and kernel_calls[1] > 0, kernel_calls
     (pa, oa), (pb, ob) = runs
     for a, b in zip(pa, pb):
         assert torch.equal(a, b)
