@@ -9,7 +9,7 @@ The prediction follows how ZeRO lays out what the optimizer sees:
     2 * world_size, of which each rank holds an equal share;
   * stage 3: each parameter is cut into world_size equal parts (rounded up); a rank
     concatenates its parts into sub-groups of about ``sub_group_size`` elements.
-Whatever a rank holds, ds_q8 keeps state per parameter slice: 8-bit codes plus one absmax per
+Whatever a rank holds, ds_q8 keeps state per parameter slice: 8-bit codes plus one absmax (bfloat16) per
 block of the *parameter* that the slice touches (a block cut by a partition edge is counted by
 each rank holding part of it), or fp32 for parameters below ``min_8bit_size`` elements, in 32-bit
 groups or marked 32-bit. Padding has no state.
@@ -26,7 +26,7 @@ import torch
 from . import functional as F
 from .optim.base import Optimizer8bitBlock
 from .optim.layout import Segment, StateLayout, shared_blocks
-from .optim.qstate import QuantizedState, has_storage
+from .optim.qstate import ABSMAX_BYTES, QuantizedState, has_storage
 
 def _num_states(optimizer: str) -> int:
     from .registry import OPTIMIZERS
@@ -41,7 +41,7 @@ def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, 
     if numel == 0:
         return 0
     if bits == 8 and numel >= min_8bit_size:
-        return num_states * (numel + 4 * F.num_blocks(numel, block_size))
+        return num_states * (numel + ABSMAX_BYTES * F.num_blocks(numel, block_size))
     return num_states * 4 * numel
 
 

@@ -14,7 +14,7 @@ many seeds ended worse than 32-bit's worst seed, and the wall time of a run; wri
 
 Optimizers:
   torch        torch.optim.AdamW, 32-bit state
-  ds_q8[:K+K]  ds_q8.AdamW8bitBlock (block 2048, tensors under 4096 elements keep 32-bit state), with
+  ds_q8[:K+K]  ds_q8.AdamW8bitBlock (block 64, tensors under 4096 elements keep 32-bit state), with
                changes K:  nearest  state_rounding="nearest" (second moments rounded to nearest)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
@@ -107,7 +107,7 @@ def block_size_of(changes, default: int) -> int:
 class SimAdamW8bit(torch.optim.Optimizer):
     """AdamW with each state stored block-wise in 8 bits through ds_q8.functional, changes switchable.
 
-    With no change it keeps ds_q8's format (dynamic maps, block 2048, 32-bit state below 4096 elements,
+    With no change it keeps ds_q8's format (dynamic maps, block 64 with bfloat16 maxima, 32-bit state below 4096 elements,
     nearest rounding with the zero point); it is slower than ds_q8 but lets one thing change at a time.
     """
 
@@ -130,7 +130,8 @@ class SimAdamW8bit(torch.optim.Optimizer):
     def _quantize(self, x: torch.Tensor, code: torch.Tensor):
         F, bs = self.F, self.block
         absmax = F.block_absmax(x, bs)
-        scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+        a = absmax.float()
+        scale = torch.where(a > 0, 1.0 / a, torch.zeros_like(a))
         y = (torch.nn.functional.pad(x, (0, absmax.numel() * bs - x.numel())).view(-1, bs)
              * scale[:, None]).reshape(-1)[:x.numel()]
         unsigned = float(code[0]) == 0.0

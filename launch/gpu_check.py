@@ -163,7 +163,7 @@ def correctness(report: Report, quick: bool) -> None:
         grads = [torch.randn(n + offset, generator=gen, device=DEVICE).to(pd)[offset:] for n in sizes]
         states = [[torch.randint(0, 256, (n,), generator=gen, device=DEVICE, dtype=torch.uint8) for _ in range(2)]
                   for n in sizes]
-        absmax = [[torch.rand(-(-n // bs), generator=gen, device=DEVICE) for _ in range(2)] for n in sizes]
+        absmax = [[torch.rand(-(-n // bs), generator=gen, device=DEVICE).to(torch.bfloat16) for _ in range(2)] for n in sizes]
         return params, grads, states, absmax
 
     def adamw_args(bs):
@@ -365,7 +365,7 @@ def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -
         lookups = [ops.lookup_table(m, module) for m in maps]
         hyper = dict(opt._hyper(group, 2))
         codes = [torch.full((n,), 127, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
-        absmax = [torch.full((-(-n // bs),), 1e-3, device=DEVICE) for _ in range(2)]
+        absmax = [torch.full((-(-n // bs),), 1e-3, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
         return lambda: ops.call(module, "step_many", p, "adamw", [p.data], [grad], [codes], [absmax], maps, lookups,
                                  bs, hyper, [], [])
 

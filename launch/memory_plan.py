@@ -3,7 +3,8 @@
 Every rank holds the bf16 weights (2 B/param) and bf16 gradients (2 B/param); ZeRO-2 splits the
 rest, K bytes per parameter, over the N data-parallel ranks:
   32-bit Adam: K = 4 (fp32 master) + 4 + 4 (two fp32 moments)                 = 12
-  8-bit Adam:  K = 4 (fp32 master) + 1 + 1 (two uint8 moments) + 2 * 4 / block = 6.0039 at block 2048
+  8-bit Adam:  K = 4 (fp32 master) + 1 + 1 (two uint8 moments) + 2 * 2 / block = 6.0625 at block 64
+               (one bfloat16 maximum per block and moment)
 Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 in both.
 Activations, temporaries and communication buffers come on top and depend on batch and context.
 

@@ -161,7 +161,7 @@ def innermost_optimizer(engine):
 
 
 def quantization_record(report: dict) -> dict:
-    """The totals of a quantization report as flat metrics: ``quant_<state>_<at_zero|at_extreme|rel_error>``."""
+    """The totals of a quantization report as flat metrics: ``quant_<state>_<at_zero|at_extreme|rel_error|zeroed>``."""
     return {f"quant_{state}_{key}": value for state, stats in report["states"].items()
             for key, value in stats.items() if value is not None}
 

@@ -61,8 +61,8 @@ def test_bench_muon_table_sets_deepspeed_muon_against_muon8bitblock(tmp_path, ca
     ds, ours = rows["DeepSpeed Muon (muon_update, fp32 momentum)"], rows["ds_q8 Muon8bitBlock (8-bit momentum)"]
     n = 96 * 160 * 2 + 64 * 64
     assert ds["momentum_bytes"] == 4 * n and ds["ratio"] == 1.0
-    # one code byte per element and one fp32 maximum per 2048-element block of each matrix
-    assert ours["momentum_bytes"] == n + 4 * (8 + 8 + 2)
+    # one code byte per element and one bfloat16 maximum per 64-element block of each matrix
+    assert ours["momentum_bytes"] == n + 2 * (240 + 240 + 64)
     assert rows["ds_q8 Muon8bitBlock (optim_bits=32)"]["momentum_bytes"] == 4 * n
     assert all(r["ms"] > 0 and len(r["runs_ms"]) == 2 for r in rows.values())
     assert result["muon"]["shapes"] == [[96, 160], [160, 96], [64, 64]]

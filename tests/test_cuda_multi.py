@@ -42,7 +42,7 @@ def _adamw_lists(cuda_op, sizes, dtype=torch.float32, block_size=256, seed=0, of
         nb = -(-p.numel() // block_size)
         states.append([torch.randint(0, 256, (p.numel(),), generator=gen, dtype=torch.uint8).cuda()
                        for _ in range(2)])
-        absmax.append([torch.rand(nb, generator=gen).cuda() for _ in range(2)])
+        absmax.append([torch.rand(nb, generator=gen).to(torch.bfloat16).cuda() for _ in range(2)])
     return params, grads, states, absmax, maps, lookups, dict(opt._hyper(group, 3))
 
 

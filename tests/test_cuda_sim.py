@@ -169,7 +169,7 @@ def _lists(sim, sizes, dtype=torch.float32, block_size=256, seed=0, offset=0, st
     maps = opt._maps(group, torch.device("cpu"))
     lookups = [sim.build_lookup(m) for m in maps]
     codes = [[torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for _ in range(states)] for n in sizes]
-    absmax = [[torch.rand(-(-n // block_size), generator=gen) for _ in range(states)] for n in sizes]
+    absmax = [[torch.rand(-(-n // block_size), generator=gen).to(torch.bfloat16) for _ in range(states)] for n in sizes]
     return params, grads, codes, absmax, maps, lookups, hyper
 
 
@@ -308,8 +308,8 @@ PLANTED = {
         "    if ((threadIdx.x & 31) == 0) red[warp] = local;\n    if (!Q8_SIM_BUG(1)) __syncthreads();\n",
         "test_every_block_size_and_tail and adamw-1024", "ThreadSanitizer: data race"),
     2: ("asan", "threads past the end return before the shuffles of the block reduction",
-        "    const float am = qblock_absmax(local, Tq, red);\n",
-        "    if (Q8_SIM_BUG(2) && !live) return;\n    const float am = qblock_absmax(local, Tq, red);\n",
+        "    const uint16_t stored = q8_absmax_store(qblock_absmax(local, Tq, red));\n",
+        "    if (Q8_SIM_BUG(2) && !live) return;\n    const uint16_t stored = q8_absmax_store(qblock_absmax(local, Tq, red));\n",
         "test_quantize_and_dequantize and dtype0-256", "lane(s) of its warp"),
     3: ("asan", "an off-by-one in the dequantize kernel's tail",
         "    const int cnt = (int)(numel - start < kElems ? numel - start : kElems);\n    uint32_t c[kElems];\n",

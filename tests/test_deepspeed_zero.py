@@ -67,7 +67,7 @@ def test_json_type_builds_8bit_optimizer_and_tracks_fp32_adam(results, variant):
     q8, ref = results[f"q8_{variant}"], results[f"ref_{variant}"]
     assert q8["optimizer"] == "Adam8bitBlock"
     assert q8["state_dtypes"]["state1"] == ["uint8"] and q8["state_dtypes"]["state2"] == ["uint8"]
-    assert q8["state_dtypes"]["absmax1"] == ["float32"]
+    assert q8["state_dtypes"]["absmax1"] == ["bfloat16"]
     # 5 steps of 2 micro-batches each: the step counter counts optimizer steps, not micro-batches
     assert q8["state_steps"] == [STEPS]
     assert q8["losses"][-1] < 0.2 * q8["losses"][0]

@@ -46,12 +46,21 @@ def test_map_is_returned_as_a_copy():
     assert float(F.create_dynamic_map().abs().max()) == 1.0
 
 
+def bf16_at_or_above(m: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 >= each non-negative finite m: torch's nearest rounding, stepped up one
+    bfloat16 where that fell below (an independent reading of the stored maxima)."""
+    b = m.to(torch.bfloat16)
+    up = (b.view(torch.int16) + 1).view(torch.bfloat16)
+    return torch.where(b.float() < m, up, b)
+
+
 def brute_force_nearest(x: torch.Tensor, code: torch.Tensor, block_size: int):
     """Nearest entry by exhaustive distance, ties to the lower entry (an independent reading of the spec)."""
     flat = x.reshape(-1).float()
     nb = F.num_blocks(flat.numel(), block_size)
-    absmax = torch.stack([flat[b * block_size:(b + 1) * block_size].abs().max() for b in range(nb)])
-    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    absmax = bf16_at_or_above(torch.stack([flat[b * block_size:(b + 1) * block_size].abs().max() for b in range(nb)]))
+    a = absmax.float()
+    scale = torch.where(a > 0, 1.0 / a, torch.zeros_like(a))
     y = flat * scale.repeat_interleave(block_size)[: flat.numel()]
     mid = (code[:-1] + code[1:]) * 0.5
     idx = (y[:, None] > mid[None, :]).sum(1)
@@ -182,7 +191,7 @@ def test_empty_tensor():
 def test_half_precision_input_and_output(dtype):
     x = torch.randn(3, 1000).to(dtype)
     codes, absmax = F.quantize_blockwise(x, block_size=512)
-    assert codes.shape == x.shape and absmax.dtype == torch.float32
+    assert codes.shape == x.shape and absmax.dtype == torch.bfloat16
     ref_codes, _ = F.quantize_blockwise(x.float(), block_size=512)
     assert torch.equal(codes, ref_codes)
     back = F.dequantize_blockwise(codes, absmax, block_size=512, dtype=dtype)
@@ -203,7 +212,7 @@ def test_bad_block_size(bs):
     with pytest.raises(ValueError, match=r"block_size must be a power of two in \[64, 4096\]"):
         F.quantize_blockwise(torch.randn(10), block_size=bs)
     with pytest.raises(ValueError, match="block_size"):
-        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(1), block_size=bs)
+        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(1, dtype=torch.bfloat16), block_size=bs)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -220,6 +229,8 @@ def test_bad_dtypes_and_shapes():
     with pytest.raises(ValueError, match="codes must be uint8"):
         F.dequantize_blockwise(torch.zeros(10), torch.zeros(1))
     with pytest.raises(ValueError, match="absmax has 2 entries"):
-        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(2))
+        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="absmax must be bfloat16"):
+        F.dequantize_blockwise(torch.zeros(10, dtype=torch.uint8), torch.zeros(1))
     with pytest.raises(ValueError, match="256"):
         F.quantize_blockwise(torch.randn(10), code=torch.zeros(10))

@@ -57,7 +57,9 @@ def test_quantize_roundtrip_is_finite_and_bounded(x, bs, signed):
         err = (back.double() - xf.double()).abs()
         bound = F.quantization_error_bound(code)[codes.reshape(-1).long()] * am
         slack = 4 * torch.finfo(torch.float32).eps * am + 1e-30
-        assert bool((err <= bound + slack).all())
+        # a maximum above the largest bfloat16 is stored as that value: values beyond it lose the excess
+        saturated = (xf.abs().double() - float(torch.finfo(torch.bfloat16).max)).clamp(min=0)
+        assert bool((err <= bound + slack + saturated).all())
         # all-zero blocks come back exactly zero
         zero_blocks = absmax == 0
         if zero_blocks.any():

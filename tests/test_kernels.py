@@ -383,7 +383,7 @@ def test_quantize_rejects_bad_input(cpu_op):
     with pytest.raises(ValueError, match="NaN or Inf"):
         ops.quantize_blockwise(torch.tensor([1.0, float("nan")]))
     code = F.create_dynamic_map()
-    with pytest.raises(ValueError, match="absmax must be 2 float32"):
+    with pytest.raises(ValueError, match="absmax must be 2 bfloat16"):
         cpu_op.dequantize("scalar", torch.zeros(100, dtype=torch.uint8), torch.ones(3), code, 64, torch.float32)
     with pytest.raises(ValueError, match="isa must be one"):
         cpu_op.quantize("sse9", torch.randn(10), code, cpu_op.build_lookup(code), 64)
@@ -396,7 +396,7 @@ def test_step_rejects_missing_hyperparameter(cpu_op):
     code = F.create_dynamic_map()
     lookup = cpu_op.build_lookup(code)
     with pytest.raises(ValueError, match="needs hyperparameter 'lr'"):
-        cpu_op.step("scalar", "momentum", p, g, [torch.zeros(64, dtype=torch.uint8)], [torch.zeros(1)], [code],
+        cpu_op.step("scalar", "momentum", p, g, [torch.zeros(64, dtype=torch.uint8)], [torch.zeros(1, dtype=torch.bfloat16)], [code],
                     [lookup], 64, {"momentum": 0.9}, [], [])
 
 

@@ -129,7 +129,7 @@ def step_many_args(cpu_op, n_tensors, bad=None):
     grads = [torch.randn(256) for _ in range(n_tensors)]
     states = [[torch.full((256,), 127, dtype=torch.uint8), torch.zeros(256, dtype=torch.uint8)]
               for _ in range(n_tensors)]
-    absmax = [[torch.zeros(2), torch.zeros(2)] for _ in range(n_tensors)]
+    absmax = [[torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.bfloat16)] for _ in range(n_tensors)]
     hyper = dict(beta1=0.9, one_minus_beta1=0.1, beta2=0.999, one_minus_beta2=0.001, eps=1e-8, weight_decay=0.0,
                  decay_factor=1.0, step_size=1e-3, bias_correction2_sqrt=0.03)
     return params, grads, states, absmax, code, lookups, hyper

@@ -91,7 +91,7 @@ def test_state_layout(name):
     k = len(o1.state_signed)
     for i in range(1, k + 1):
         assert st[f"state{i}"].dtype == torch.uint8 and st[f"state{i}"].shape == p.shape
-        assert st[f"absmax{i}"].dtype == torch.float32 and st[f"absmax{i}"].numel() == F.num_blocks(6400, 256)
+        assert st[f"absmax{i}"].dtype == torch.bfloat16 and st[f"absmax{i}"].numel() == F.num_blocks(6400, 256)
     assert f"state{k + 1}" not in st
 
 
@@ -156,7 +156,7 @@ def test_half_precision_params(dtype, name):
     p1, p2, w0, o1, _ = run_pair(name, optim_bits=8, steps=100, dtype=dtype, lr=1e-2)
     pf = o1.param_groups[0]["params"][0]
     assert pf.dtype == dtype and pf.grad.dtype == dtype
-    assert o1.state[pf]["state1"].dtype == torch.uint8 and o1.state[pf]["absmax1"].dtype == torch.float32
+    assert o1.state[pf]["state1"].dtype == torch.uint8 and o1.state[pf]["absmax1"].dtype == torch.bfloat16
     travelled = float((p2 - w0).norm())
     # measured: fp16 ~3%, bf16 3% (momentum) to 10.5% (adamw) of the distance torch travelled in fp32
     assert float((p1 - p2).norm()) < 0.13 * travelled
@@ -213,7 +213,7 @@ def test_state_dict_roundtrip_continues_bit_identically(name, dtype):
         st = opt_b.state[q]
         assert st["state1"].dtype == torch.uint8 if "state1" in st else st["state1_fp32"].dtype == torch.float32
         if "state1" in st:
-            assert st["absmax1"].dtype == torch.float32
+            assert st["absmax1"].dtype == torch.bfloat16
     assert opt_b.state[model_b[0].weight]["state1"].dtype == torch.uint8
     assert opt_b.state[model_b[0].bias]["state1_fp32"].dtype == torch.float32
     losses_b = [one_step(model_b, opt_b, s) for s in range(5, 10)]
@@ -263,10 +263,12 @@ def test_load_dequantized_state_roundtrip():
     saved = {k: v.clone() for k, v in o1.state[p].items() if torch.is_tensor(v)}
     o1.load_dequantized_state(p, exported, step=20)
     assert o1.state[p]["step"] == 20
-    # Requantizing is nearly idempotent: the signed map has no -1.0, so a block whose absmax came
-    # from a negative value gets a slightly smaller absmax and a few codes move by one step.
+    # Requantizing is nearly idempotent. A block's stored maximum is its largest value rounded up to
+    # bfloat16 (up to 0.78% above it), so that value may dequantize to the entry below 1.0, and the
+    # block then gets a slightly smaller maximum; the signed map has no -1.0, with the same effect for
+    # negative maxima. Some codes of such blocks move by one step (measured: 0.2% of them).
     for k in ("state1", "state2"):
-        assert float((o1.state[p][k] != saved[k]).float().mean()) < 1e-3
+        assert float((o1.state[p][k] != saved[k]).float().mean()) < 5e-3
     again = o1.dequantized_state(p)
     for k, v in exported.items():
         bound = 0.01 * float(v.abs().max())

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from .. import functional as F
 from ..optim.qstate import QuantizedState, has_storage
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
@@ -91,7 +92,7 @@ class ParamCodes:
         k = len(self.state_names)
         if eight_bit:
             self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
-            self.absmax = [torch.zeros(num_blocks, dtype=torch.float32) for _ in range(k)]
+            self.absmax = [torch.zeros(num_blocks, dtype=F.ABSMAX_DTYPE) for _ in range(k)]
         else:
             self.values = [torch.zeros(numel, dtype=torch.float32) for _ in range(k)]
         self.covered = torch.zeros(numel, dtype=torch.bool)
@@ -109,6 +110,10 @@ class ParamCodes:
 def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> None:
     """Add one rank's segments (from its saved layouts) to ``into``, keyed by parameter name."""
     marker = _marker(inner, path)
+    if marker.get("format") == 2:
+        raise ValueError(f"{path}: the optimizer state is in format 2 (ds_q8 0.1, float32 block maxima), whose codes "
+                         "this version cannot carry over; resume from the checkpoint once at its world size (the "
+                         "loader requantizes it) and save, then convert the new checkpoint")
     if marker.get("format") != STATE_FORMAT:
         raise ValueError(f"{path}: the optimizer state has no layout marker of format {STATE_FORMAT}; it was not "
                          "written by this version of ds_q8")

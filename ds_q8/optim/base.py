@@ -337,10 +337,10 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         in total and per parameter (``optim/telemetry.py``). The code fractions need no tracking; the
         error needs :meth:`track_quantization` (None otherwise)."""
         self.settle()
-        # the tensors of the class's rule (with a rule per group, the report covers those groups)
-        states = [(p, self.quantized_state(p, create=False)) for p, st in self.state.items()
-                  if is_8bit(st) and self.rule_of(p).state_names == self.state_names]
-        return telemetry.report(states, self.state_names, self._telemetry)
+        # every 8-bit tensor, each with its own group's rule (Muon's matrices keep momentum_buffer)
+        states = [(p, self.quantized_state(p, create=False), self.rule_of(p).state_names)
+                  for p, st in self.state.items() if is_8bit(st)]
+        return telemetry.report(states, self._telemetry)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -457,6 +457,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep every state tensor in the dtype it was saved with, check
         everything before replacing anything, and refuse keys it does not know (``state_io.py``)."""
+        state_dict = state_io.upgraded(state_dict, self.param_groups, self.state_names, self.state_signed)
         plans = state_io.plan_load(self, state_dict)
         # nothing has changed so far: now replace
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})

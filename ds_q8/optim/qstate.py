@@ -2,8 +2,8 @@
 
 A :class:`QuantizedState` owns what the optimizer keeps for one tensor: its
 :class:`~ds_q8.optim.layout.StateLayout` (which slices of which parameters it holds, 8-bit or fp32
-per parameter, blocks aligned to parameter starts), and per state the uint8 codes, the float32 block
-maxima and the float32 values of the fp32 segments. Everything else reads and writes state through
+per parameter, blocks aligned to parameter starts), and per state the uint8 codes, the block maxima
+(bfloat16, rounded up: ``functional.py``) and the float32 values of the fp32 segments. Everything else reads and writes state through
 it: the step (the views it hands the kernels), ``state_dict``/``load_state_dict``, universal
 checkpoints, DeepSpeed's per-parameter state API, telemetry and the memory figures.
 
@@ -12,8 +12,8 @@ see plain tensors, under these keys (``i`` counts states from 1):
 
   * ``state{i}``: codes of the 8-bit segments, packed in tensor order (shaped like the tensor when
     one 8-bit segment covers all of it);
-  * ``absmax{i}``: their block maxima, each segment's blocks in order (a block that a partition edge
-    cuts is stored by every rank that holds part of it, and agreed on across them);
+  * ``absmax{i}``: their block maxima (bfloat16), each segment's blocks in order (a block that a
+    partition edge cuts is stored by every rank that holds part of it, and agreed on across them);
   * ``state{i}_fp32``: values of the fp32 segments, packed in tensor order;
   * ``step``: the step count (a float tensor, as torch keeps it).
 
@@ -30,6 +30,8 @@ from .layout import StateLayout
 
 # Elements dequantized at a time by the readers and the reference: bounds their fp32 temporaries.
 CHUNK = 1 << 20
+#: bytes of one stored block maximum
+ABSMAX_BYTES = torch.tensor([], dtype=F.ABSMAX_DTYPE).element_size()
 
 
 def codes_key(i: int) -> str:
@@ -87,7 +89,8 @@ class QuantizedState:
                initial: Optional[Sequence[float]] = None) -> "QuantizedState":
         """Fill ``entry`` with fresh state: every state ``initial[i]`` (default 0), step 0.
 
-        A constant is exact in every map: 1.0 times a block maximum equal to the constant."""
+        A constant is coded as quantizing a block of it codes it (its maximum rounded up to bfloat16,
+        the nearest code of the constant scaled by it), so that the step sees what it would write."""
         qs = cls(entry, layout, signed, quantization)
         entry.clear()
         codes_shape, fp32_shape = layout.state_shapes()
@@ -96,9 +99,11 @@ class QuantizedState:
             value = 0.0 if initial is None else float(initial[i])
             if layout.has8:
                 m = F.state_map(quantization, sgn, "cpu")
-                index = int(torch.argmax(m)) if value != 0.0 else int(torch.argmin(m.abs()))
+                x = torch.tensor([value], dtype=torch.float32)
+                am = F.block_absmax(x, 1)
+                index = int(F.quantize_with_absmax(x, am, m, 1)[0])
                 entry[codes_key(i)] = torch.full(codes_shape, index, dtype=torch.uint8, device=device)
-                entry[absmax_key(i)] = torch.full((layout.num_blocks,), value, dtype=torch.float32, device=device)
+                entry[absmax_key(i)] = am.to(device).expand(layout.num_blocks).clone()
             if layout.has32:
                 entry[fp32_key(i)] = torch.full(fp32_shape, value, dtype=torch.float32, device=device)
         return qs
@@ -137,7 +142,8 @@ class QuantizedState:
     @staticmethod
     def bytes_for(layout: StateLayout, num_states: int) -> Dict[str, int]:
         """The bytes :meth:`create` allocates for ``layout`` (no step counter), by kind."""
-        return {"codes": num_states * layout.num_codes, "absmax": 4 * num_states * layout.num_blocks,
+        return {"codes": num_states * layout.num_codes,
+                "absmax": ABSMAX_BYTES * num_states * layout.num_blocks,
                 "fp32": 4 * num_states * layout.num_fp32}
 
     # ------------------------------------------------------------------ views for the step
@@ -166,7 +172,8 @@ class QuantizedState:
         off = start - piece.start
         c0 = piece.codes_start + off
         if piece.slot >= 0:  # part of one shared block
-            return [m[c[c0:c0 + end - start].long()] * a[piece.absmax_start] for c, a, m in zip(codes, absmax, maps)]
+            return [m[c[c0:c0 + end - start].long()] * a[piece.absmax_start].to(torch.float32)
+                    for c, a, m in zip(codes, absmax, maps)]
         b0 = piece.absmax_start + off // bs
         b1 = piece.absmax_start + (end - piece.start + bs - 1) // bs
         return [F.dequantize_flat(c[c0:c0 + end - start], a[b0:b1], m, bs) for c, a, m in zip(codes, absmax, maps)]
@@ -263,7 +270,7 @@ class QuantizedState:
             agreed = shared_absmax
         for piece in layout.shared8:
             for i, (c, a, m, v) in enumerate(zip(codes, absmax, maps, values)):
-                am = torch.tensor([agreed[piece.slot][i]], dtype=torch.float32, device=device)
+                am = F.stored_absmax(torch.tensor([agreed[piece.slot][i]], dtype=torch.float32, device=device))
                 a[piece.absmax_start:piece.absmax_start + 1] = am
                 c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(
                     v[piece.start:piece.end], am, m, piece.numel)
@@ -287,7 +294,7 @@ class QuantizedState:
             x = v[seg.param_start + piece.start - seg.start:seg.param_start + piece.end - seg.start]
             if piece.slot >= 0:
                 block = (seg.param_start + piece.start - seg.start) // bs
-                am = v[block * bs:min((block + 1) * bs, seg.param_numel)].abs().amax().reshape(1)
+                am = F.stored_absmax(v[block * bs:min((block + 1) * bs, seg.param_numel)].abs().amax().reshape(1))
                 piece_bs = piece.numel
             else:
                 am, piece_bs = F.block_absmax(x, bs), bs
@@ -342,7 +349,7 @@ class QuantizedState:
         codes_shape, fp32_shape = layout.state_shapes()
         for i in range(self.num_states):
             for key, want, dtype in ((codes_key(i), codes_shape if layout.has8 else None, torch.uint8),
-                                     (absmax_key(i), (layout.num_blocks,) if layout.has8 else None, torch.float32),
+                                     (absmax_key(i), (layout.num_blocks,) if layout.has8 else None, F.ABSMAX_DTYPE),
                                      (fp32_key(i), fp32_shape if layout.has32 else None, torch.float32)):
                 v = st.get(key)
                 if want is None:

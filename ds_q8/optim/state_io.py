@@ -8,11 +8,17 @@ read that marker, never the class, so an instance-level layout (RMSprop with mom
 ``load_state_dict`` keeps every state tensor in the dtype it was saved with (torch's loader would
 cast uint8 codes to float), checks everything before replacing anything, and refuses keys it does
 not know. State saved as fp32 under torch's or the universal checkpoint's names is requantized.
+
+Formats: 3 (since 0.2.0) stores block maxima as bfloat16 with 64-element blocks by default; 2 (0.1.x)
+stored float32 maxima, 2048-element blocks by default. A format-2 state_dict still loads: each 8-bit
+entry is dequantized exactly with its saved layout and requantized into the loading optimizer's layout
+and block size (one warning says so), since the two formats cannot share codes.
 """
 from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -28,7 +34,9 @@ UNIVERSAL_STATE_NAMES = ("exp_avg", "exp_avg_sq")
 #: key of the marker that ``state_dict`` adds so offline tools know which optimizer wrote it
 STATE_DICT_MARKER = "ds_q8"
 #: version of the state layout written in the marker
-STATE_FORMAT = 2
+STATE_FORMAT = 3
+#: formats this version reads (2: float32 block maxima, requantized on load)
+READABLE_FORMATS = (2, 3)
 
 
 def universal_names_for(state_names) -> tuple:
@@ -93,10 +101,10 @@ def fp32_names_in(st: dict, state_names: Sequence[str]) -> Optional[tuple]:
 
 def _saved_layout(mark: dict, pid) -> dict:
     """The saved layout of state entry ``pid``, which every entry of 8-bit or packed state needs."""
-    if mark.get("format") != STATE_FORMAT:
+    if mark.get("format") not in READABLE_FORMATS:
         raise ValueError(f"state entry {pid} holds quantized state but the state_dict has no '{STATE_DICT_MARKER}' "
-                         f"marker of format {STATE_FORMAT} (found {mark.get('format')!r}): it was not written by "
-                         "this version of ds_q8")
+                         f"marker of format {' or '.join(map(str, READABLE_FORMATS))} (found {mark.get('format')!r}): "
+                         "it was not written by ds_q8 0.1 or later")
     layouts = mark.get("layouts", {})
     desc = layouts.get(pid, layouts.get(str(pid)))
     if desc is None:
@@ -133,6 +141,29 @@ def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = F
 
 
 # ---------------------------------------------------------------------------- loading
+def upgraded(state_dict: dict, live_groups: Sequence[dict], state_names, state_signed) -> dict:
+    """A format-2 ``state_dict`` (float32 block maxima) as one that loads into this version: every 8-bit
+    entry as its exact fp32 values under torch's names (the loader requantizes them into the live
+    layout), and each group's ``block_size`` the live group's, so that the requantized state and the
+    group agree. Any other state_dict is returned as it is."""
+    mark = state_dict.get(STATE_DICT_MARKER) if isinstance(state_dict, dict) else None
+    if not isinstance(mark, dict) or mark.get("format") != 2 or not isinstance(state_dict.get("state"), dict):
+        return state_dict
+    out = export_fp32(state_dict, state_names, state_signed)
+    groups = out["param_groups"]
+    if len(groups) == len(live_groups):
+        for saved, live in zip(groups, live_groups):
+            saved["block_size"] = live["block_size"]
+    new_mark = dict(mark, format=STATE_FORMAT, layouts={})
+    warnings.warn("ds_q8: this checkpoint was written in state format 2 (ds_q8 0.1: float32 block maxima, "
+                  f"block_size {sorted({g.get('block_size') for g in state_dict['param_groups']}, key=str)}); its "
+                  "states were dequantized exactly and requantized into this optimizer's format (bfloat16 maxima, "
+                  f"block_size {sorted({g['block_size'] for g in live_groups}, key=str)}), which moves each value "
+                  "by at most half a code step. Save a checkpoint to keep it in the new format.",
+                  RuntimeWarning, stacklevel=3)
+    return {"state": out["state"], "param_groups": groups, STATE_DICT_MARKER: new_mark}
+
+
 def plan_load(opt, state_dict: dict) -> List[Tuple[torch.Tensor, dict]]:
     """Check a state_dict against the optimizer ``opt`` and return ``(tensor, saved entry)`` pairs to
     restore; raise ValueError (nothing changed) for anything that does not fit."""
@@ -239,6 +270,6 @@ def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict,
         st, f"a tensor of shape {tuple(p.shape)}", type(opt).__name__)
 
 
-__all__ = ["STATE_DICT_MARKER", "STATE_FORMAT", "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
+__all__ = ["STATE_DICT_MARKER", "STATE_FORMAT", "READABLE_FORMATS", "upgraded", "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
            "tensor_states", "states_of_entry",
            "fp32_names_in", "export_fp32", "plan_load", "restored_entry"]

@@ -299,6 +299,8 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
         if buf.numel():  # every rank agrees which are empty (split_params)
             reduce(buf)
             layout.exchanged_bytes += buf.numel() * buf.element_size()
+    # the maxima travel as float32 (exact; every backend reduces it) and are stored values again here
+    absmax_buf = absmax_buf.to(F.ABSMAX_DTYPE)
     for si, (seg, *_) in held.items():
         n, eight = cut[seg.param_index]
         o, a, bs = offsets[seg.param_index]
@@ -348,7 +350,7 @@ class _Plan:
     def __init__(self, rule: Rule, skip: Optional[torch.Tensor]):
         self.rule = rule
         self.skip = skip  # CUDA: one int32 on the device, non-zero when the step must write nothing
-        self.sums_of: Dict[int, torch.Tensor] = {}  # telemetry: id(8-bit item) -> its (states, 2) error sums
+        self.sums_of: Dict[int, torch.Tensor] = {}  # telemetry: id(8-bit item) -> its (states, 3) error sums
         self._skip_read: Optional[bool] = None
         self.eight: Dict[tuple, tuple] = {}
         self.fp32: Dict[tuple, tuple] = {}
@@ -479,7 +481,7 @@ def _update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     pf, gf = layout.param_views(p), t.grad.view(-1)
     p32 = pf.index_select(0, elem).to(torch.float32)
     states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
-              * absmax[i].index_select(0, absmax_at).index_select(0, owner) for i in range(k)]
+              * absmax[i].index_select(0, absmax_at).to(torch.float32).index_select(0, owner) for i in range(k)]
     rule.update(p32, gf.index_select(0, elem).to(torch.float32), states, h)
     element_keys = None  # each element's key is its parameter's
     pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
@@ -506,18 +508,20 @@ def _update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     slot_index = (base + slots + layout.num_slots * torch.arange(k, device=device)[:, None]).reshape(-1)
 
     def finish(agreed: torch.Tensor) -> None:
-        agreed = agreed.view(k, n)
+        stored = F.stored_absmax(agreed.view(k, n))  # rounding up is monotone: any rank may round
+        agreed = stored.to(torch.float32)
         scale = torch.where(agreed > 0, 1.0 / agreed, torch.zeros_like(agreed))
         for i in range(k):
             q = F.quantize_scaled(states[i] * scale[i].index_select(0, owner), maps[i], state_bits[i],
                                   _midpoints(maps[i]))
             codes[i].index_copy_(0, code_at, q)
-            absmax[i].index_copy_(0, absmax_at, agreed[i])
+            absmax[i].index_copy_(0, absmax_at, stored[i])
             if sums is not None:  # telemetry: each element's error goes to its piece's parameter
-                err = (maps[i][q.long()] * agreed[i].index_select(0, owner) - states[i]).double().abs()
+                back = maps[i][q.long()] * agreed[i].index_select(0, owner)
                 seg = segment_of[owner]
-                sums[:, i, 0].index_add_(0, seg, err)
+                sums[:, i, 0].index_add_(0, seg, (back - states[i]).double().abs())
                 sums[:, i, 1].index_add_(0, seg, states[i].double().abs())
+                sums[:, i, 2].index_add_(0, seg, ((back == 0) & (states[i] != 0)).double())
 
     return slot_index, maxima.reshape(-1), finish
 
@@ -721,8 +725,8 @@ def fused_step_many(rule: Rule, items: List[Item8], group: dict, hyper, skip=Non
     and dtypes (on CPU one parallel loop over all their blocks). Returns the items it did not step,
     which the caller steps with the reference (``impl="auto"`` only: under ``impl="kernel"`` an item
     without a kernel raises). ``skip`` is a CUDA step's device flag, read by the CUDA kernels.
-    ``error_sums`` (telemetry, one float64 ``(states, 2)`` tensor per item) take each item's
-    requantization error and magnitude."""
+    ``error_sums`` (telemetry, one float64 ``(states, 3)`` tensor per item) take each item's
+    requantization error, magnitude and count of nonzero values requantized to zero."""
     name, strict = kernel_rule(rule, group, items)
     if name is None:
         return list(items)

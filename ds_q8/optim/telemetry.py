@@ -3,18 +3,24 @@
 ``optimizer.track_quantization(every=N)`` measures the requantization error of every N-th step (of
 each tensor's step count, so that it does not matter whether a wrapper such as ZeRO steps the
 parameter groups in one ``step()`` call or one each): for each optimized tensor, each of its
-parameters and each 8-bit state, the kernels (and the
-reference) add up ``sum |requantized - x|`` and ``sum |x|`` over the elements they requantize, into a
-small float64 tensor on the tensor's device. Nothing is read back: on a GPU the sums stay on the
+parameters and each 8-bit state, the kernels (and the reference) add up ``sum |requantized - x|``,
+``sum |x|`` and the number of nonzero values requantized to zero over the elements they requantize,
+into a small float64 tensor on the tensor's device. Nothing is read back: on a GPU the sums stay on the
 device until :meth:`report` asks. Off (the default), no sum is kept and the kernels get none.
 
-``optimizer.quantization_report()`` then returns, per state and in total and per parameter:
+``optimizer.quantization_report()`` then returns, for every state of every group's rule (an optimizer
+with a rule per group, Muon8bitBlock, reports its matrices' ``momentum_buffer`` beside its AdamW's
+``exp_avg`` and ``exp_avg_sq``), in total and per parameter:
   * ``at_zero``: the fraction of 8-bit elements at the map's zero (code 0 of an unsigned map, 127 of
     the signed one) -- a second moment there means a wiped history unless its gradient is zero;
   * ``at_extreme``: the fraction at the map's ends (codes 0 and 255 of the signed map, 255 of the
     unsigned one), the block maxima and their ties;
   * ``rel_error``: ``sum |requantized - x| / sum |x|`` of each tensor's last measured step (None
-    before one); ``measured_step`` says which step that was.
+    before one); ``measured_step`` says which step that was;
+  * ``zeroed``: the fraction of elements whose value was not zero but was stored as zero (the map's
+    zero code, or a block maximum of zero) at the last measured step (None before one). A first moment
+    coded against a block maximum 100x larger than itself (a block that mixes the parts of a fused
+    projection) shows here: its update is lost.
 Under ZeRO each rank reports the partition it holds.
 """
 from __future__ import annotations
@@ -24,6 +30,10 @@ from typing import Dict, List, Optional
 import torch
 
 from .layout import StateLayout
+
+#: sums per state: sum |requantized - x|, sum |x|, and nonzero values requantized to zero (the kernels'
+#: Q8_TELEMETRY_SUMS)
+SUMS = 3
 
 
 class Telemetry:
@@ -42,7 +52,7 @@ class Telemetry:
             return None
         s = self.sums.get(tensor)
         if s is None:
-            s = self.sums[tensor] = torch.zeros(len(layout.segments), k, 2, dtype=torch.float64, device=tensor.device)
+            s = self.sums[tensor] = torch.zeros(len(layout.segments), k, SUMS, dtype=torch.float64, device=tensor.device)
         else:
             s.zero_()
         self.measured_step = step if self.measured_step is None else max(self.measured_step, step)
@@ -55,6 +65,7 @@ def add_error(sums: Optional[torch.Tensor], k: int, requantized: torch.Tensor, x
         return
     sums[k, 0] += (requantized.double() - x.double()).abs().sum()
     sums[k, 1] += x.double().abs().sum()
+    sums[k, 2] += ((requantized == 0) & (x != 0)).sum().double()
 
 
 def _fractions(codes: torch.Tensor, signed: bool, total: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -67,25 +78,27 @@ def _fractions(codes: torch.Tensor, signed: bool, total: Dict[str, torch.Tensor]
     return {"n": codes.numel(), "at_zero": at_zero, "at_extreme": at_extreme}
 
 
-def report(states, names, telemetry: Optional[Telemetry]) -> dict:
-    """See the module doc. ``states`` are ``(tensor, QuantizedState)`` of every 8-bit tensor. Reads every
-    8-bit state's codes once (on a GPU: one transfer at the end)."""
-    k = len(names)
-    totals = [{"n": 0, "at_zero": 0, "at_extreme": 0, "err": 0.0, "mag": 0.0} for _ in range(k)]
+def report(states, telemetry: Optional[Telemetry]) -> dict:
+    """See the module doc. ``states`` are ``(tensor, QuantizedState, state names)`` of every 8-bit tensor,
+    each with its own rule's names; the totals are per state name. Reads every 8-bit state's codes once
+    (on a GPU: one transfer at the end)."""
+    totals: Dict[str, dict] = {}
     params: List[dict] = []
-    for tensor, qs in states:
+    for tensor, qs, names in states:
         layout = qs.layout
         sums = telemetry.sums.get(tensor) if telemetry is not None else None
+        for name in names:
+            totals.setdefault(name, {"n": 0, "at_zero": 0, "at_extreme": 0, "err": 0.0, "mag": 0.0, "zeroed": 0.0})
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit:
                 continue
             entry = {"group": layout.group_index, "param": seg.param_index, "name": seg.name, "numel": seg.numel}
             for i, name in enumerate(names):
-                stats = _fractions(qs.segment_codes(si, i), qs.signed[i], totals[i])
+                stats = _fractions(qs.segment_codes(si, i), qs.signed[i], totals[name])
                 if sums is not None:
-                    stats["err"], stats["mag"] = sums[si, i, 0], sums[si, i, 1]
-                    totals[i]["err"] = totals[i]["err"] + stats["err"]
-                    totals[i]["mag"] = totals[i]["mag"] + stats["mag"]
+                    stats["err"], stats["mag"], stats["zeroed"] = sums[si, i, 0], sums[si, i, 1], sums[si, i, 2]
+                    for key in ("err", "mag", "zeroed"):
+                        totals[name][key] = totals[name][key] + stats[key]
                 entry[name] = stats
             params.append(entry)
     measured = telemetry is not None and telemetry.measured_step is not None
@@ -94,11 +107,14 @@ def report(states, names, telemetry: Optional[Telemetry]) -> dict:
         n = max(1, int(stats["n"]))
         out = {"at_zero": float(stats["at_zero"]) / n, "at_extreme": float(stats["at_extreme"]) / n}
         mag = float(stats.get("mag", 0.0))
-        out["rel_error"] = (float(stats["err"]) / mag if mag > 0 else 0.0) if measured and "err" in stats else None
+        timed = measured and "err" in stats
+        out["rel_error"] = (float(stats["err"]) / mag if mag > 0 else 0.0) if timed else None
+        out["zeroed"] = float(stats["zeroed"]) / n if timed else None
         return out
 
     for entry in params:
-        for name in names:
-            entry[name] = finish(entry[name])
-    return {"states": {name: finish(t) for name, t in zip(names, totals)}, "params": params,
+        for name in entry:
+            if isinstance(entry[name], dict):
+                entry[name] = finish(entry[name])
+    return {"states": {name: finish(t) for name, t in totals.items()}, "params": params,
             "measured_step": telemetry.measured_step if telemetry is not None else None}

@@ -12,6 +12,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")
 
 #include "q8_common.h"
+#include "q8_cpu_blocks.h"  // Stochastic (this file writes its block functions itself)
 #include "q8_fastmap.h"
 
 namespace ds_q8 {
@@ -143,6 +144,41 @@ struct Avx512 {
         return m > 0x7F800000u ? NAN : q8_float(m);
     }
 
+    // absmax_reduce of `count` accumulators into out[0..count): 16 at a time by a tree that halves the
+    // lanes per accumulator and doubles the accumulators per vector at each level (4 levels, 3
+    // instructions per pair), about 3 instructions per accumulator instead of 9 for one reduction each.
+    // Small blocks end in many reductions: this is most of what 64-element blocks cost over 2048.
+    static void absmax_reduce_many(const V* acc, int count, float* out) {
+        for (int b = 0; b < count; b += 16) {
+            __m512i v[16];
+            for (int i = 0; i < 16; ++i)
+                v[i] = b + i < count ? _mm512_castps_si512(acc[b + i].v) : _mm512_setzero_si512();
+            __m512i w[8], x[4], y[2];
+            for (int i = 0; i < 8; ++i)  // 256-bit halves: accumulator 2i in the low half, 2i+1 in the high
+                w[i] = _mm512_max_epu32(_mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0x44),
+                                        _mm512_shuffle_i64x2(v[2 * i], v[2 * i + 1], 0xEE));
+            for (int i = 0; i < 4; ++i)  // one accumulator per 128-bit lane
+                x[i] = _mm512_max_epu32(_mm512_shuffle_i64x2(w[2 * i], w[2 * i + 1], 0x88),
+                                        _mm512_shuffle_i64x2(w[2 * i], w[2 * i + 1], 0xDD));
+            for (int i = 0; i < 2; ++i)  // two accumulators per 128-bit lane
+                y[i] = _mm512_max_epu32(shuffle32<_MM_SHUFFLE(1, 0, 1, 0)>(x[2 * i], x[2 * i + 1]),
+                                        shuffle32<_MM_SHUFFLE(3, 2, 3, 2)>(x[2 * i], x[2 * i + 1]));
+            __m512i z = _mm512_max_epu32(shuffle32<_MM_SHUFFLE(2, 0, 2, 0)>(y[0], y[1]),
+                                         shuffle32<_MM_SHUFFLE(3, 1, 3, 1)>(y[0], y[1]));
+            // lane j now holds accumulator {0,4,8,12,1,5,...}[j]: back to order
+            z = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+            alignas(64) uint32_t bits[16];
+            _mm512_store_si512(bits, z);
+            for (int i = 0; i < 16 && b + i < count; ++i) out[b + i] = bits[i] > 0x7F800000u ? NAN : q8_float(bits[i]);
+        }
+    }
+
+    // _mm512_shuffle_ps on integer vectors: per 128-bit lane, two dwords of a then two of b.
+    template <int kImm>
+    static __m512i shuffle32(__m512i a, __m512i b) {
+        return _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), kImm));
+    }
+
     // 16 scaled values by the lookup table: one gather (q8_quantize_scaled without its NaN case).
     static __m512i lookup16(__m512 y, const uint32_t* lookup) {
         const __m512i u = _mm512_castps_si512(y);
@@ -235,26 +271,80 @@ struct Avx512 {
         return idx;
     }
 
-    template <bool kSigned>
-    static void fast_block(uint8_t* out, const float* x, int len, __m512 vscale, const FastMap& m,
-                           const uint32_t* lookup) {
-        const FastRegs r = load_fast(m);
-        for (int i = 0; i < len; i += 64) _mm512_storeu_si512(out + i, fast64<kSigned>(x + i, vscale, r, lookup));
+    // Blocks of bs values (a multiple of 64, or len itself), block j scaled by 1 / absmax[j]: the
+    // nearest codes, turned into stochastically rounded ones in the same registers when `sr` is given.
+    // With a finite absmax every scaled value is finite and within [-1, 1] (one rounding above 1 at
+    // most), so the segment search or the table needs no clamp or NaN case; a block with a non-finite
+    // absmax, or shorter than a multiple of 64 (the end of a tensor), goes 16 values at a time through
+    // quantize() and is rounded stochastically from memory.
+    static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
+                                  const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        if (fast && fast->is_signed) return requantize<1>(out, x, len, absmax, bs, lookup, fast, sr);
+        if (fast) return requantize<0>(out, x, len, absmax, bs, lookup, fast, sr);
+        requantize<-1>(out, x, len, absmax, bs, lookup, nullptr, sr);
     }
 
-    // A whole block. With a finite absmax every scaled value is finite and within [-1, 1] (one
-    // rounding above 1 at most), so the clamp and NaN handling of quantize() are not needed.
-    static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,
-                               const FastMap* fast) {
-        const float scale = q8_block_scale(absmax);
-        if (!(fabsf(absmax) < INFINITY) || len % 64) {
-            for (int i = 0; i < len; i += 16) quantize(out + i, load_tmp(x + i), scale, lookup, len - i < 16 ? len - i : 16);
-            return;
+    // The blocks of one call: a tile of the step (its blocks) or one block of quantize().
+    static constexpr int kMaxScales = (int)(4096 / Q8_MIN_BLOCK);
+
+    // q8_block_scale of each block maximum, 16 at a time (one division instruction per 16 blocks).
+    static void block_scales(const float* absmax, int count, float* out) {
+        for (int j = 0; j < count; j += 16) {
+            const __mmask16 m = mask(count - j);
+            const __m512 a = _mm512_maskz_loadu_ps(m, absmax + j);
+            const __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
+            _mm512_mask_storeu_ps(out + j, m, _mm512_maskz_div_ps(pos, _mm512_set1_ps(1.0f), a));
         }
-        const __m512 vscale = _mm512_set1_ps(scale);
-        if (fast && fast->is_signed) return fast_block<true>(out, x, len, vscale, *fast, lookup);
-        if (fast) return fast_block<false>(out, x, len, vscale, *fast, lookup);
-        for (int i = 0; i < len; i += 64) _mm512_storeu_si512(out + i, lookup64(x + i, vscale, lookup));
+    }
+
+    // kSearch: 1 / 0 the segment search of a signed / unsigned map, -1 the lookup table. Two passes,
+    // the nearest codes and then their stochastic rounding: one fused pass needs more than the 32
+    // vector registers (the segment tables and the map's byte planes) and measured slower.
+    template <int kSearch>
+    static void requantize(uint8_t* out, const float* x, int len, const float* absmax, int bs,
+                           const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        const int nb = (len + bs - 1) / bs;
+        alignas(64) float scales[kMaxScales];
+        block_scales(absmax, nb, scales);
+        nearest<kSearch>(out, x, len, absmax, scales, bs, lookup, fast);
+        if (sr) round_stochastic(out, x, len, scales, bs, *sr);
+    }
+
+    template <int kSearch>
+    static void nearest(uint8_t* out, const float* x, int len, const float* absmax, const float* scales, int bs,
+                        const uint32_t* lookup, const FastMap* fast) {
+        FastRegs r;
+        if (kSearch >= 0) r = load_fast(*fast);
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
+            const int blen = len - b0 < bs ? len - b0 : bs;
+            if (!(fabsf(absmax[j]) < INFINITY) || blen % 64) {
+                for (int i = b0; i < b0 + blen; i += 16)
+                    quantize(out + i, load_tmp(x + i), scales[j], lookup, b0 + blen - i < 16 ? b0 + blen - i : 16);
+                continue;
+            }
+            const __m512 vscale = _mm512_set1_ps(scales[j]);
+            for (int i = b0; i < b0 + blen; i += 64) {
+                __m512i idx;
+                if (kSearch == 1) idx = fast64<true>(x + i, vscale, r, lookup);
+                else if (kSearch == 0) idx = fast64<false>(x + i, vscale, r, lookup);
+                else idx = lookup64(x + i, vscale, lookup);
+                _mm512_storeu_si512(out + i, idx);
+            }
+        }
+    }
+
+    // The nearest codes of x in `codes` turned into stochastically rounded ones, 64 at a time.
+    static void round_stochastic(uint8_t* codes, const float* x, int len, const float* scales, int bs,
+                                 const Stochastic<Table>& sr) {
+        const SrRegs g = sr_regs(sr);
+        __m512 vscale = _mm512_setzero_ps();
+        for (int i = 0, j = -1, next = 0; i < len; i += 64) {
+            if (i >= next) vscale = _mm512_set1_ps(scales[++j]), next += bs;  // the next block starts here
+            const int cnt = len - i;
+            const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+            const __m512i n = _mm512_maskz_loadu_epi8(live, codes + i);
+            _mm512_mask_storeu_epi8(codes + i, live, stochastic64(n, x + i, vscale, sr, g, (uint32_t)i));
+        }
     }
 
     static __m512i mix32(__m512i h) {  // q8_mix32 on 16 lanes
@@ -269,48 +359,53 @@ struct Avx512 {
         return (__mmask64)m[0] | ((__mmask64)m[1] << 16) | ((__mmask64)m[2] << 32) | ((__mmask64)m[3] << 48);
     }
 
-    // q8_round_stochastic on 64 values at a time; the map entries around them come from the byte planes
-    // of the dequantization table (no gathers).
-    static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, const Table& t,
-                                       const float* code, uint32_t key, uint32_t first) {
-        const __m512 vscale = _mm512_set1_ps(q8_block_scale(absmax)), one_f = _mm512_set1_ps(1.0f);
-        const __m512 unit = _mm512_set1_ps(5.9604644775390625e-08f);
-        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i vkey = _mm512_set1_epi32((int)key), ones8 = _mm512_set1_epi8(1);
-        const bool unsigned_map = code[0] == 0.0f;
-        for (int i = 0; i < len; i += 64) {
-            const int cnt = len - i;
-            const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-            const __m512i n = _mm512_maskz_loadu_epi8(live, codes + i);
-            __m512 y[4], c[4];
-            __mmask16 up[4];
-            values64(c, n, t, one_f);
-            for (int q = 0; q < 4; ++q) {
-                y[q] = _mm512_mul_ps(_mm512_load_ps(x + i + 16 * q), vscale);
-                up[q] = _mm512_cmp_ps_mask(y[q], c[q], _CMP_GE_OQ);
-            }
-            const __mmask64 up64 = join(up);
-            const __m512i nb = _mm512_mask_blend_epi8(up64, _mm512_subs_epu8(n, ones8), _mm512_adds_epu8(n, ones8));
-            __m512 cn[4];
-            values64(cn, nb, t, one_f);
-            __mmask16 pick[4], pos[4], nan[4];
-            for (int q = 0; q < 4; ++q) {
-                const __m512 c_lo = _mm512_mask_blend_ps(up[q], cn[q], c[q]);
-                const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
-                const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(first + (uint32_t)(i + 16 * q))), iota);
-                const __m512i r = mix32(_mm512_xor_si512(index, vkey));
-                const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), unit);
-                pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo)), _mm512_sub_ps(y[q], c_lo),
-                                             _CMP_LT_OQ);
-                pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
-                nan[q] = _mm512_cmp_ps_mask(y[q], y[q], _CMP_UNORD_Q);
-            }
-            const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
-            __m512i idx = _mm512_mask_blend_epi8(join(pick), lo, hi);
-            if (unsigned_map) idx = _mm512_mask_max_epu8(idx, join(pos), idx, ones8);  // the zero point
-            idx = _mm512_mask_mov_epi8(idx, join(nan), _mm512_set1_epi8((char)255));
-            _mm512_mask_storeu_epi8(codes + i, live, idx);
+    // What stochastic64 keeps in registers across a call.
+    struct SrRegs {
+        __m512 unit;
+        __m512i iota, vkey;
+        bool unsigned_map;
+    };
+    static SrRegs sr_regs(const Stochastic<Table>& sr) {
+        return SrRegs{_mm512_set1_ps(5.9604644775390625e-08f),
+                      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                      _mm512_set1_epi32((int)sr.key), sr.code[0] == 0.0f};
+    }
+
+    // q8_round_stochastic on 64 values x[0..64) (scaled by vscale) whose nearest codes are n, the
+    // first of them element `at` of the call (its random bits: sr.first + at + lane); the map entries
+    // around each come from the byte planes of the dequantization table (no gathers).
+    static __m512i stochastic64(__m512i n, const float* x, __m512 vscale, const Stochastic<Table>& sr,
+                                const SrRegs& g, uint32_t at) {
+        const __m512 one_f = _mm512_set1_ps(1.0f);
+        const __m512i ones8 = _mm512_set1_epi8(1);
+        const Table& t = *sr.table;
+        __m512 y[4], c[4];
+        __mmask16 up[4];
+        values64(c, n, t, one_f);
+        for (int q = 0; q < 4; ++q) {
+            y[q] = _mm512_mul_ps(_mm512_load_ps(x + 16 * q), vscale);
+            up[q] = _mm512_cmp_ps_mask(y[q], c[q], _CMP_GE_OQ);
         }
+        const __mmask64 up64 = join(up);
+        const __m512i nb = _mm512_mask_blend_epi8(up64, _mm512_subs_epu8(n, ones8), _mm512_adds_epu8(n, ones8));
+        __m512 cn[4];
+        values64(cn, nb, t, one_f);
+        __mmask16 pick[4], pos[4], nan[4];
+        for (int q = 0; q < 4; ++q) {
+            const __m512 c_lo = _mm512_mask_blend_ps(up[q], cn[q], c[q]);
+            const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
+            const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(sr.first + at + (uint32_t)(16 * q))), g.iota);
+            const __m512i r = mix32(_mm512_xor_si512(index, g.vkey));
+            const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
+            pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo)), _mm512_sub_ps(y[q], c_lo),
+                                         _CMP_LT_OQ);
+            pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
+            nan[q] = _mm512_cmp_ps_mask(y[q], y[q], _CMP_UNORD_Q);
+        }
+        const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
+        __m512i idx = _mm512_mask_blend_epi8(join(pick), lo, hi);
+        if (g.unsigned_map) idx = _mm512_mask_max_epu8(idx, join(pos), idx, ones8);  // the zero point
+        return _mm512_mask_mov_epi8(idx, join(nan), _mm512_set1_epi8((char)255));
     }
 
     static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {

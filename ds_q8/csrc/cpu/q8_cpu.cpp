@@ -163,7 +163,7 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
     for (size_t i = 0; i < k; ++i) {
         check_codes(states[i], absmax[i], a.numel, block_size, "state");
         a.codes[i] = states[i].data_ptr<uint8_t>();
-        a.absmax[i] = absmax[i].data_ptr<float>();
+        a.absmax[i] = binding::absmax_bits(absmax[i]);
         a.code[i] = maps.code[i];
         a.lookup[i] = maps.lookup[i];
         a.fast[i] = maps.fast[i];
@@ -239,9 +239,9 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
         if (!error_sums.empty()) {
             const torch::Tensor& e = error_sums[t];
             check_cpu_contiguous(e, "error_sums");
-            TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == 2 * (int64_t)step_map.k,
-                              "error_sums must be float64 tensors of 2 values per state, got ", e.numel(), " of ",
-                              e.scalar_type());
+            TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == Q8_TELEMETRY_SUMS * (int64_t)step_map.k,
+                              "error_sums must be float64 tensors of ", Q8_TELEMETRY_SUMS, " values per state, got ",
+                              e.numel(), " of ", e.scalar_type());
             a.error_sums = e.data_ptr<double>();
         }
         if (a.numel > 0) args.push_back(a);
@@ -296,14 +296,14 @@ std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor&
     check_cpu_contiguous(x, "x");
     check_map(code, lookup);
     auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
-    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kFloat32));
+    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kBFloat16));
     QuantizeArgs a{};
     a.x = const_cast<void*>(x.data_ptr());
     a.dtype = dtype_of(x, "x");
     a.numel = x.numel();
     a.block_size = block_size;
     a.codes = codes.data_ptr<uint8_t>();
-    a.absmax = absmax.data_ptr<float>();
+    a.absmax = binding::absmax_bits(absmax);
     a.code = code.data_ptr<float>();
     a.lookup = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
     a.fast = fast_map_for(code);
@@ -331,7 +331,7 @@ void dequantize_into(const std::string& isa, const torch::Tensor& codes, const t
     a.numel = codes.numel();
     a.block_size = block_size;
     a.codes = const_cast<uint8_t*>(codes.data_ptr<uint8_t>());
-    a.absmax = const_cast<float*>(absmax.data_ptr<float>());
+    a.absmax = binding::absmax_bits(absmax);
     a.code = code.data_ptr<float>();
     a.num_threads = at::get_num_threads();
     if (isa == "avx512") dequantize_avx512(a);
@@ -421,7 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("grad"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"),
           arg("sr_keys"), arg("sr_index"), params_sr, states_sr);
     m.def("step_many", &ds_q8::step_many, "fused 8-bit step of many tensors in one parallel loop, in place; "
-          "error_sums (one float64 tensor of 2 per state for each param, or none) accumulate the requantization "
+          "error_sums (one float64 tensor of 3 per state for each param, or none) accumulate the requantization "
           "error and magnitude",
           arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"),
           arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), params_sr, states_sr,

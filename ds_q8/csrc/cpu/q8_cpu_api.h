@@ -26,7 +26,7 @@ struct StepArgs {
     int64_t numel;
     int64_t block_size;
     uint8_t* codes[Q8_MAX_STATES];         // per state (flat, numel each)
-    float* absmax[Q8_MAX_STATES];          // one float per block
+    uint16_t* absmax[Q8_MAX_STATES];       // one stored maximum per block (bf16 bits, q8_absmax_store)
     const float* code[Q8_MAX_STATES];      // the 256-entry map of each state
     const uint32_t* lookup[Q8_MAX_STATES]; // q8_build_lookup table of each map
     const FastMap* fast[Q8_MAX_STATES];    // its segment tables, or null (q8_build_fastmap)
@@ -40,7 +40,8 @@ struct StepArgs {
     bool stochastic_states[Q8_MAX_STATES]; // requantize these 8-bit states stochastically (q8_round_stochastic)
     uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
-    double* error_sums;        // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x|
+    double* error_sums;        // null, or per state k, at 3k: sum |requantized - x|, sum |x|, and the count
+                               // of nonzero x requantized to 0 (Q8_TELEMETRY_SUMS)
 };
 
 struct QuantizeArgs {
@@ -49,7 +50,7 @@ struct QuantizeArgs {
     int64_t numel;
     int64_t block_size;
     uint8_t* codes;
-    float* absmax;
+    uint16_t* absmax;          // one stored maximum per block (bf16 bits)
     const float* code;
     const uint32_t* lookup;
     const FastMap* fast;

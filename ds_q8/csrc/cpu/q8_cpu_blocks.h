@@ -1,6 +1,7 @@
 // Block-level traits functions written with a traits class's own per-vector ones: what an
 // instruction set without special block code (AVX2, scalar) uses. Mix in with CRTP:
 //   struct Avx2 : PerVectorBlocks<Avx2> { ... per-vector functions ... };
+// Also the arguments of stochastic requantization, which every instruction set takes.
 // Include after the target pragma, like the traits themselves.
 #pragma once
 
@@ -13,6 +14,16 @@ namespace ds_q8 {
 struct FastMap;  // q8_fastmap.h: the segment search of the AVX-512 and scalar drivers
 
 namespace {
+
+// Stochastic requantization of a call's values (q8_round_stochastic): the map as the instruction set
+// prepared it, the map itself, the state's key and the index of the call's first value in its parameter.
+template <class Table>
+struct Stochastic {
+    const Table* table;
+    const float* code;
+    uint32_t key;
+    uint32_t first;
+};
 
 template <class Self>
 struct PerVectorBlocks {
@@ -29,6 +40,25 @@ struct PerVectorBlocks {
         constexpr int W = Self::W;
         for (int i = 0; i < len; i += W)
             Self::store_tmp(out + i, Self::dequant(codes + i, len - i < W ? len - i : W, code, absmax));
+    }
+
+    // absmax_reduce of `count` accumulators, one at a time.
+    template <class V>
+    static void absmax_reduce_many(const V* acc, int count, float* out) {
+        for (int i = 0; i < count; ++i) out[i] = Self::absmax_reduce(acc[i]);
+    }
+
+    // Blocks of bs values (the last may be shorter), block j scaled by 1 / absmax[j], block by block:
+    // the nearest codes, then (with sr) the stochastically rounded ones from them.
+    static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
+                                  const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
+            const int blen = len - b0 < bs ? len - b0 : bs;
+            Self::quantize_block(out + b0, x + b0, blen, absmax[j], lookup, fast);
+            if (sr)
+                Self::round_block_stochastic(out + b0, x + b0, blen, absmax[j], *sr->table, sr->code, sr->key,
+                                             sr->first + (uint32_t)b0);
+        }
     }
 
     // One value at a time (the scalar driver; the AVX2 one has its own).

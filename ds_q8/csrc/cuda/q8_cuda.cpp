@@ -133,9 +133,9 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
                       "one tensor per param (", b.params.size(), "), got ", error_sums.size());
     for (const auto& e : error_sums) {
         if (!b.params.empty()) check_cuda(e, "error_sums", b.params[0].device());
-        TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == 2 * (int64_t)maps.size(),
-                          "error_sums must be float64 tensors of 2 values per state, got ", e.numel(), " of ",
-                          e.scalar_type());
+        TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == Q8_TELEMETRY_SUMS * (int64_t)maps.size(),
+                          "error_sums must be float64 tensors of ", Q8_TELEMETRY_SUMS, " values per state, got ",
+                          e.numel(), " of ", e.scalar_type());
     }
     b.error_sums = error_sums;
     TORCH_CHECK_VALUE(absmax.size() == b.params.size(), "step_many: absmax must have one list per tensor (",
@@ -196,7 +196,7 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor&
     check_cuda(x, "x", x.device());
     check_map(code, &lookup, x.device());
     auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
-    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kFloat32));
+    auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kBFloat16));
     cuda_quantize(x, codes, absmax, lookup, block_size);
     return {codes, absmax};
 }

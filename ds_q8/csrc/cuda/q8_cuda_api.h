@@ -31,7 +31,7 @@ struct StepBatch {
     bool stochastic_states[Q8_MAX_STATES] = {};    // 8-bit states requantized stochastically
     bool has_keys = false;                         // sr_keys/sr_index given (needed by either kind)
     std::vector<int64_t> sr_keys, sr_index;        // per tensor when has_keys: hash key, index of param[0]
-    std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [2 per state] (telemetry)
+    std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [3 per state] (telemetry)
     const int32_t* skip = nullptr;                 // device flag: non-zero means the kernels write nothing
 };
 

@@ -212,14 +212,14 @@ struct StepSlot {
     void* param;
     const void* grad;
     void* state[Q8_MAX_STATES];  // uint8 codes, or float32 states for the fp32-state kernel
-    float* absmax[Q8_MAX_STATES];
+    uint16_t* absmax[Q8_MAX_STATES];  // stored block maxima (bf16 bits, q8_absmax_store)
     int64_t numel;
     int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
     uint32_t sr_key;
     // byte alignments, capped at 16 (load_words); one byte each, so that 36 slots of Q8_MAX_STATES = 3
     // states still fit the parameter block
     uint8_t align_param, align_grad, align_state;
-    double* error_sums;    // null, or per state k: [2k] += sum |requantized - x|, [2k+1] += sum |x| (telemetry)
+    double* error_sums;    // null, or per state k, at 3k: sum |requantized - x|, sum |x|, nonzero x requantized to 0
 };
 
 struct StepList {
@@ -309,7 +309,7 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
         for (int k = 0; k < K; ++k) {
             uint32_t c[kElems];
             load_bits8(static_cast<const uint8_t*>(a.state[k]) + start, c, cnt, a.align_state);
-            const float am = a.absmax[k][qblock];
+            const float am = q8_absmax_load(a.absmax[k][qblock]);
 #pragma unroll
             for (int i = 0; i < kElems; ++i) s[k][i] = s_code[k][c[i]] * am;
         }
@@ -322,9 +322,11 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
 #pragma unroll
         for (int i = 0; i < kElems; ++i)
             if (i < cnt) local = q8_absmax_step(local, s[k][i]);
-        const float absmax = qblock_absmax(local, T, red);  // every thread takes part (shuffles, barriers)
+        // every thread takes part (shuffles, barriers); each rounds the same maximum the same way
+        const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
         if (!live) continue;
-        if (threadIdx.x % T == 0) a.absmax[k][qblock] = absmax;
+        if (threadIdx.x % T == 0) a.absmax[k][qblock] = stored;
+        const float absmax = q8_absmax_load(stored);
         const float scale = q8_block_scale(absmax);
         uint32_t idx[kElems];
 #pragma unroll
@@ -338,15 +340,19 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
         }
         store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
         if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on
-            double err = 0.0, mag = 0.0;
+            double err = 0.0, mag = 0.0, zeroed = 0.0;
 #pragma unroll
             for (int i = 0; i < kElems; ++i)
                 if (i < cnt) {
-                    err += fabs((double)(s_code[k][idx[i]] * absmax) - (double)s[k][i]);
+                    const float back = s_code[k][idx[i]] * absmax;
+                    err += fabs((double)back - (double)s[k][i]);
                     mag += fabs((double)s[k][i]);
+                    zeroed += back == 0.0f && s[k][i] != 0.0f ? 1.0 : 0.0;
                 }
-            atomicAdd(a.error_sums + 2 * k, err);
-            atomicAdd(a.error_sums + 2 * k + 1, mag);
+            double* sums = a.error_sums + Q8_TELEMETRY_SUMS * k;
+            atomicAdd(sums, err);
+            atomicAdd(sums + 1, mag);
+            atomicAdd(sums + 2, zeroed);
         }
     }
 }
@@ -379,7 +385,7 @@ __global__ void step_fp32_kernel(const __grid_constant__ StepList list, const Ru
 
 // ------------------------------------------------------------------ (de)quantize
 template <class T>
-__global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ codes, float* __restrict__ absmax,
+__global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ codes, uint16_t* __restrict__ absmax,
                                 const uint32_t* __restrict__ lookup, int64_t numel, int block_size, int Tq,
                                 int x_align, int codes_align) {
     __shared__ float red[1024 / 32];
@@ -399,10 +405,10 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ c
 #pragma unroll
     for (int i = 0; i < kElems; ++i)
         if (i < cnt) local = q8_absmax_step(local, v[i]);
-    const float am = qblock_absmax(local, Tq, red);
+    const uint16_t stored = q8_absmax_store(qblock_absmax(local, Tq, red));
     if (!live) return;
-    if (threadIdx.x % Tq == 0) absmax[qblock] = am;
-    const float scale = q8_block_scale(am);
+    if (threadIdx.x % Tq == 0) absmax[qblock] = stored;
+    const float scale = q8_block_scale(q8_absmax_load(stored));
     uint32_t idx[kElems];
 #pragma unroll
     for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, fast, s_fast, lookup);
@@ -411,7 +417,7 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ c
 
 template <class T>
 __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict__ codes,
-                                  const float* __restrict__ absmax, const float* __restrict__ code, int64_t numel,
+                                  const uint16_t* __restrict__ absmax, const float* __restrict__ code, int64_t numel,
                                   int block_size, int out_align, int codes_align) {
     __shared__ float s_code[256];
     for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[i] = code[i];
@@ -421,7 +427,7 @@ __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict
     const int cnt = (int)(numel - start < kElems ? numel - start : kElems);
     uint32_t c[kElems];
     load_bits8(codes + start, c, cnt, codes_align);
-    const float am = absmax[start / block_size];  // 8 elements never straddle a block (block_size % 8 == 0)
+    const float am = q8_absmax_load(absmax[start / block_size]);  // 8 elements never straddle a block (block_size % 8 == 0)
     float v[kElems];
 #pragma unroll
     for (int i = 0; i < kElems; ++i) v[i] = s_code[c[i]] * am;
@@ -429,6 +435,11 @@ __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict
 }
 
 // ------------------------------------------------------------------ host side
+// The bits of a tensor of stored block maxima (bf16; the bindings check the dtype).
+uint16_t* absmax_bits(const at::Tensor& t) {
+    return reinterpret_cast<uint16_t*>(const_cast<at::BFloat16*>(t.data_ptr<at::BFloat16>()));
+}
+
 // The byte alignment of a pointer, capped at 16 (what load_words can use).
 int alignment(const void* p) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -469,7 +480,7 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
             for (int k = 0; k < K; ++k) {
                 s.state[k] = b.states[t][k].data_ptr();
                 s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
-                if (!b.absmax.empty()) s.absmax[k] = b.absmax[t][k].data_ptr<float>();
+                if (!b.absmax.empty()) s.absmax[k] = absmax_bits(b.absmax[t][k]);
             }
             if (b.has_keys) {
                 s.sr_key = (uint32_t)b.sr_keys[t];
@@ -561,7 +572,7 @@ void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, c
     const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
     Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, stream,                                     \
-        reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(), lk, n, \
+        reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax), lk, n,     \
         (int)block_size, geo.threads_per_qblock, x_align, codes_align)
     switch (x.scalar_type()) {
         case at::kFloat: Q8_QUANTIZE(float); break;
@@ -584,7 +595,7 @@ void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at
     auto stream = c10::cuda::getCurrentCUDAStream();
 #define Q8_DEQUANTIZE(T)                                                                                     \
     Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, stream,                                           \
-        reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax.data_ptr<float>(),          \
+        reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax),               \
         code.data_ptr<float>(), n, (int)block_size, out_align, codes_align)
     switch (out.scalar_type()) {
         case at::kFloat: Q8_DEQUANTIZE(float); break;

@@ -33,9 +33,14 @@ inline void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax,
     TORCH_CHECK_VALUE(codes.scalar_type() == torch::kUInt8 && codes.numel() == numel, name, " must be ", numel,
                       " uint8 codes, got ", codes.numel(), " of ", codes.scalar_type());
     const int64_t nb = (numel + block_size - 1) / block_size;
-    TORCH_CHECK_VALUE(absmax.scalar_type() == torch::kFloat32 && absmax.numel() == nb, "absmax must be ", nb,
-                      " float32 values for ", numel, " elements with block_size=", block_size, ", got ",
+    TORCH_CHECK_VALUE(absmax.scalar_type() == torch::kBFloat16 && absmax.numel() == nb, "absmax must be ", nb,
+                      " bfloat16 block maxima for ", numel, " elements with block_size=", block_size, ", got ",
                       absmax.numel(), " of ", absmax.scalar_type());
+}
+
+// The bits of stored block maxima (bf16, checked by check_codes or allocated as such).
+inline uint16_t* absmax_bits(const torch::Tensor& absmax) {
+    return reinterpret_cast<uint16_t*>(const_cast<at::BFloat16*>(absmax.data_ptr<at::BFloat16>()));
 }
 
 // A call over many tensors needs one param dtype and one grad dtype (the kernel is chosen once).

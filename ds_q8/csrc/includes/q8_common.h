@@ -84,6 +84,9 @@ Q8_HD float q8_float(uint32_t u) {
 constexpr int64_t Q8_MIN_BLOCK = 64;
 constexpr int64_t Q8_MAX_BLOCK = 4096;
 constexpr int Q8_MAX_STATES = 3;
+// Telemetry sums per state (optim/telemetry.py): sum |requantized - x|, sum |x|, and how many nonzero
+// values were requantized to zero.
+constexpr int Q8_TELEMETRY_SUMS = 3;
 
 // ------------------------------------------------------------------ fp16 / bf16
 // Round to nearest even, like torch's conversions (NaN becomes a quiet NaN).
@@ -247,6 +250,21 @@ Q8_HD uint32_t q8_quantize_scaled(float y, const uint32_t* lookup) {
 
 // The reference's per-block scale: 1/absmax, or 0 for an all-zero (or NaN) block.
 Q8_HD float q8_block_scale(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 0.0f; }
+
+// ------------------------------------------------------------------ stored block maxima
+// A block maximum is stored as bf16, rounded up (ds_q8/functional.py stored_absmax): the smallest
+// bf16 at or above max |x|, so every scaled value stays within [-1, 1]. On the bit pattern of the
+// non-negative maximum that is adding 0xFFFF and keeping the top 16 bits; NaN stays NaN, and a finite
+// maximum above the largest bf16 saturates to it instead of becoming infinite. The step scales and
+// dequantizes with the stored value (as float32, exact).
+Q8_HD uint16_t q8_absmax_store(float m) {
+    const uint32_t u = q8_bits(m) & 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return 0x7FC0;                    // NaN
+    const uint32_t r = (u + 0xFFFFu) >> 16;
+    return (uint16_t)(r == 0x7F80u && u < 0x7F800000u ? 0x7F7Fu : r);
+}
+
+Q8_HD float q8_absmax_load(uint16_t stored) { return q8_float_from_bf16(stored); }
 
 // NaN-propagating running max of |x|, like torch.amax.
 Q8_HD float q8_absmax_step(float acc, float x) {
