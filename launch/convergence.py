@@ -1,9 +1,10 @@
 """Convergence study: 8-bit AdamW against 32-bit, from a comfortable learning rate to the edge of stability.
 
 GPT-2 tiny (2 layers, d=128, 4 heads, byte vocabulary, context 64) is trained on the source of Python's
-standard library (launch/gpt_data.py: 90% of each file for training, the rest for validation) with each
-optimizer at each peak learning rate and seed: the same initial weights, batches and schedule (linear
-warmup, cosine decay to a tenth) for every optimizer of a seed. Prints, per optimizer and learning
+standard library (launch/gpt_data.py: 90% of each file for training, the rest for validation; ``--data
+pydoc-topics`` takes Python's documentation topics instead) with each optimizer at each peak learning
+rate and seed: the same initial weights, batches and schedule (linear warmup, cosine decay to a tenth;
+``--schedule constant``: the learning rate from the first step, no warmup) for every optimizer of a seed. Prints, per optimizer and learning
 rate, the mean and the range of the final validation loss over the seeds, the mean against 32-bit, how
 many seeds ended worse than 32-bit's worst seed, and the wall time of a run; writes every run to
 ``--out``/convergence.json and the table to convergence.md.
@@ -11,6 +12,7 @@ many seeds ended worse than 32-bit's worst seed, and the wall time of a run; wri
     python launch/convergence.py                      # lr 1e-3, 4e-3, 1.6e-2 x seeds 0-5 x torch, ds_q8, bnb
     python launch/convergence.py --lrs 4e-3 --seeds 0 1 2 3 --optimizers torch ds_q8 sim sim:m32 sim:sr
     python launch/convergence.py --drift --lrs 4e-3    # how the states' rounding drifts, on torch's trajectory
+    python launch/convergence.py --schedule constant --context 128 --data pydoc-topics --lrs 4e-3 1.6e-2
 
 Optimizers:
   torch        torch.optim.AdamW, 32-bit state
@@ -67,6 +69,24 @@ class Config:
     lrs: tuple = (1e-3, 4e-3, 1.6e-2)
     seeds: tuple = (0, 1, 2, 3, 4, 5)
     optimizers: tuple = ("torch", "ds_q8", "bnb")
+    schedule: str = "warmup-cosine"  # or "constant": the peak from step 0
+    data: Optional[str] = None       # None: the standard library's source; a path; or "pydoc-topics"
+
+
+SCHEDULES = ("warmup-cosine", "constant")
+
+
+def corpus(cfg: Config) -> Optional[str]:
+    """The ``--data`` of gpt_data: None (the standard library's source) or a path."""
+    if cfg.data == "pydoc-topics":  # Python's documentation topics, as pydoc shows them
+        import pydoc_data.topics
+
+        return pydoc_data.topics.__file__
+    return cfg.data
+
+
+def learning_rate(step: int, peak: float, cfg: Config) -> float:
+    return peak if cfg.schedule == "constant" else lr_at(step, peak, cfg)
 
 
 def bnb_available() -> bool:
@@ -214,7 +234,7 @@ def evaluate(model, windows: torch.Tensor, cfg: Config) -> float:
 
 def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
-    train, val = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    train, val = gpt_data.load_splits(corpus(cfg), gpt_data.ByteTokenizer())
     stride = (val.numel() - cfg.context - 1) // cfg.eval_windows
     windows = torch.stack([val[i * stride:i * stride + cfg.context + 1] for i in range(cfg.eval_windows)])
     torch.manual_seed(seed)
@@ -225,7 +245,7 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     losses, reason = [], ""
     for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr, cfg)
+            g["lr"] = learning_rate(step, lr, cfg)
         x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
         loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
         if not torch.isfinite(loss):
@@ -255,7 +275,7 @@ def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
     from ds_q8.optim import rounding
 
     torch.set_num_threads(1)
-    train, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    train, _ = gpt_data.load_splits(corpus(cfg), gpt_data.ByteTokenizer())
     torch.manual_seed(seed)
     model = gpt_models.build_model(gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB,
                                                              cfg.context))
@@ -272,7 +292,7 @@ def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
                for n, p in named.items()}
     for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr, cfg)
+            g["lr"] = learning_rate(step, lr, cfg)
         x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
         loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -361,6 +381,10 @@ def main(argv=None) -> int:
     ap.add_argument("--optimizers", nargs="+", help="optimizers (default torch ds_q8 bnb; see the module doc)")
     ap.add_argument("--steps", type=int, help="training steps per run (default 300)")
     ap.add_argument("--batch", type=int, help="sequences per step (default 16)")
+    ap.add_argument("--context", type=int, help="tokens per sequence (default 64)")
+    ap.add_argument("--schedule", choices=SCHEDULES, help="warmup-cosine (default) or constant (no warmup)")
+    ap.add_argument("--data", help="text to train on: a file or folder, or pydoc-topics (default: the standard "
+                                   "library's source)")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     ap.add_argument("--out", default="out/convergence", help="output folder")
     ap.add_argument("--drift", action="store_true",
@@ -376,6 +400,18 @@ def main(argv=None) -> int:
         if args.batch < 1:
             ap.error(f"--batch must be >= 1, got {args.batch}")
         cfg.batch = args.batch
+    if args.context is not None:
+        if args.context < 8:
+            ap.error(f"--context must be >= 8, got {args.context}")
+        cfg.context = args.context
+    if args.schedule is not None:
+        cfg.schedule = args.schedule
+    if args.data is not None:
+        cfg.data = args.data
+        try:
+            gpt_data.corpus_files(corpus(cfg))
+        except ValueError as e:
+            ap.error(str(e))
     if args.lrs:
         if not all(lr > 0 for lr in args.lrs):
             ap.error(f"--lrs must all be > 0, got {args.lrs}")
@@ -427,8 +463,12 @@ def main(argv=None) -> int:
                   f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
     rows = summarize(runs, cfg)
     table = markdown_table(rows)
+    schedule = ("constant learning rate, no warmup" if cfg.schedule == "constant"
+                else f"warmup {cfg.warmup} then cosine to 10%")
+    text = {None: "the standard library's source", "pydoc-topics": "Python's documentation topics"}.get(cfg.data,
+                                                                                                      cfg.data)
     header = (f"GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, context {cfg.context}, batch {cfg.batch}, {cfg.steps} "
-              f"steps, warmup {cfg.warmup} then cosine to 10%, seeds {list(cfg.seeds)}; final validation loss "
+              f"steps, {schedule}, {text}, seeds {list(cfg.seeds)}; final validation loss "
               f"(nats per byte) on {cfg.eval_windows} windows.\n\n")
     with open(os.path.join(args.out, "convergence.md"), "w") as f:
         f.write(header + table)

@@ -1,17 +1,20 @@
-"""Fidelity on a real model: GPT-2 as transformers builds it (with its fused q/k/v projection `c_attn`),
-trained on real text (Python's standard library) from the same weights and batches with
-AdamW8bitBlock and with torch's AdamW, every weight matrix's update compared.
+"""Fidelity on real models: GPT-2 as transformers builds it (its Conv1D `c_attn` holds the query, key and
+value columns side by side in each row) and GPT-NeoX (its nn.Linear `query_key_value` is [3n, n], the
+parts are rows), trained on real text (Python's standard library) from the same weights and batches with
+AdamW8bitBlock and with torch's AdamW, every weight matrix's update compared (launch/fidelity.py).
 
-In `c_attn` the query and key columns get gradients about 100x smaller than the value columns in the
-same quantization block, so their second moments sit below half of the unsigned map's smallest entry.
-Rounded to zero they lost their history every step and those elements stepped several times too far:
-update norm 6.8x torch's, cosine 0.33 on `h.1.attn.c_attn.weight` before the zero point.
+The query and key gradients of a fused projection are about 100x smaller than the value gradients. A
+quantization block that spans the parts codes q and k's moments against v's maximum: with the 2048-element
+blocks of format 2 the lowest cosine was 0.9838 at width 768 (`h.2.attn.c_attn`, 4 layers, 25 steps) and
+a seed at a high learning rate stayed on a plateau. With 64-element blocks no block spans two parts at any
+width that is a multiple of 64.
 
-The bounds: after 20 steps every matrix stays within 6% of torch's update norm with a cosine of at
-least 0.97. Measured here: 0.966-1.015 and 0.981 or more, with every matrix but the two c_attn ones
-within 0.2% and above 0.999; bitsandbytes' AdamW8bit reaches a cosine of 0.975 on the same run.
-Both bounds fail by far without the zero point (6.8x, 0.33) and the norm bound without stochastic
-rounding of the second moment in longer runs (1.2-1.6x after 300 steps, launch/convergence.py).
+The bounds, from the measurements in these configurations (8 steps of batch 8, lr 6e-4): every matrix's
+update at a cosine of at least 0.999 against torch's (measured: 0.9998 at widths 128, 768 and 1600 and on
+GPT-NeoX at 768) and within 1% of its norm (measured: 0.1%); no first moment that torch holds above 0.3
+of its gradient scale (|m| > 0.3 sqrt(v)) stored as zero; no second moment with a gradient history
+stored as zero (the zero point). The same check with 2048-element blocks at width 128 measures 0.9903 on
+`h.1.attn.c_attn`: the test can fail.
 """
 import sys
 from pathlib import Path
@@ -22,14 +25,14 @@ import torch
 import ds_q8
 
 from train_helpers import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
+import fidelity  # noqa: E402
 import gpt_data  # noqa: E402
-import gpt_models  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import free_port, run_checked  # noqa: E402
 
-STEPS, LR, BATCH, CONTEXT = 20, 1e-3, 16, 64
-NORM_BOUND, COSINE_BOUND = 0.06, 0.97
+STEPS, LR, BATCH, CONTEXT = 8, 6e-4, 8, 64
+NORM_BOUND, COSINE_BOUND = 0.01, 0.999
 
 
 @pytest.fixture(scope="module")
@@ -38,58 +41,62 @@ def text():
     return train
 
 
-def _train(make_opt, config, text, seed=0):
-    torch.manual_seed(seed)
-    model = gpt_models.build_model(config)
-    init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = make_opt(model.parameters())
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,width,layers", [("gpt2", 128, 2), ("gpt2", 768, 1), ("gpt2", 1600, 1),
+                                               ("neox", 768, 1)])
+def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers):
+    torch.set_num_threads(2)
+    names = ["ds_q8", "ds_q8:bs2048"] if (arch, width) == ("gpt2", 128) else ["ds_q8"]
+    rows = {r["optimizer"]: r for r in fidelity.run(arch, width, layers, names, STEPS, LR, 0.01, BATCH, CONTEXT,
+                                                    text=text)}
+    ours = rows["ds_q8"]
+    report = "\n".join(f"{m['matrix']}: norm ratio {m['norm_ratio']:.4f}, cosine {m['cosine']:.5f}"
+                       for m in ours["per_matrix"])
+    assert any("attn" in m["matrix"] or "query_key_value" in m["matrix"] for m in ours["per_matrix"])
+    assert ours["min_cosine"] >= COSINE_BOUND, report
+    assert 1 - NORM_BOUND <= ours["norm_ratio_lo"] and ours["norm_ratio_hi"] <= 1 + NORM_BOUND, report
+    assert ours["m_lost"] == 0, ours["lost_per_matrix"]
+    if "ds_q8:bs2048" in rows:  # blocks across the parts of c_attn: the same check fails
+        assert rows["ds_q8:bs2048"]["min_cosine"] < COSINE_BOUND
+
+
+@pytest.mark.slow
+def test_no_second_moment_with_a_gradient_history_is_stored_as_zero(text):
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = fidelity.build("gpt2", 128, 2, CONTEXT, 0)
+    opt = ds_q8.AdamW8bitBlock(model.parameters(), lr=LR, impl="kernel")
     seen = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     for step in range(STEPS):
-        x, y = gpt_data.get_batch(text, BATCH, CONTEXT, seed, 0, step)
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, config.vocab_size), y.reshape(-1))
+        x, y = gpt_data.get_batch(text, BATCH, CONTEXT, 0, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, fidelity.VOCAB), y.reshape(-1))
         opt.zero_grad()
         loss.backward()
         for n, p in model.named_parameters():
             seen[n] |= p.grad != 0
         opt.step()
-    return model, opt, init, seen
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("n_layer,n_head,n_embd", [(2, 4, 128), (3, 6, 192)])
-def test_every_weight_matrix_updates_like_torch_adamw(text, n_layer, n_head, n_embd):
-    torch.set_num_threads(2)
-    config = gpt_models.gpt2_config_of(n_layer, n_head, n_embd, gpt_data.BYTE_VOCAB_SIZE, CONTEXT)
-    ref, _, init, _ = _train(lambda ps: torch.optim.AdamW(ps, lr=LR), config, text)
-    ours, opt, _, seen = _train(lambda ps: ds_q8.AdamW8bitBlock(ps, lr=LR, impl="kernel"), config, text)
-    ref_params, our_params = dict(ref.named_parameters()), dict(ours.named_parameters())
-    report, bad = [], []
-    matrices = [n for n, p in ref_params.items() if p.dim() == 2]
-    assert any("c_attn" in n for n in matrices)
-    for name in matrices:
-        u_ref = (ref_params[name].detach() - init[name]).reshape(-1)
-        u = (our_params[name].detach() - init[name]).reshape(-1)
-        ratio = float(u.norm() / u_ref.norm())
-        cosine = float(torch.nn.functional.cosine_similarity(u, u_ref, dim=0))
-        report.append(f"{name}: norm ratio {ratio:.3f}, cosine {cosine:.4f}")
-        if abs(ratio - 1) > NORM_BOUND or cosine < COSINE_BOUND:
-            bad.append(report[-1])
-    assert not bad, "\n".join(report)
-    # no second moment with a gradient history is stored as code 0
-    for name in matrices:
-        state = opt.state[our_params[name]]
-        assert ds_q8.Optimizer8bitBlock.is_8bit_state(state), name
-        zero = state["state2"] == 0
-        assert int((zero & seen[name]).sum()) == 0, name
+    for n, p in model.named_parameters():
+        if p.dim() == 2:
+            state = opt.state[p]
+            assert ds_q8.Optimizer8bitBlock.is_8bit_state(state), n
+            assert int(((state["state2"] == 0) & seen[n]).sum()) == 0, n
 
 
 @pytest.mark.multirank
 def test_zero2_world_sizes_agree_after_accumulation(tmp_path):
     """The same 4 micro-batches per step at 1 rank (accumulating 4) and 2 ranks (2 each): the gradients
-    differ only in the order of their float additions. torch's Adam then ends a few 1e-6 apart; 8-bit
-    state turns such last-bit differences into at most a few one-code steps of single elements, each
-    bounded by a small fraction of the learning rate. A second moment wiped to zero (before the zero
-    point: up to 0.16 apart, 18,000 elements beyond torch's largest difference) cannot pass."""
+    differ only in the order of their float additions, a few units in the last place.
+
+    The bound comes from an argument, not from one machine's figures. Those last-bit differences move a
+    state value across a rounding boundary only where it lies within a few ulps of one: a code flip of
+    single elements, the same kind of change that quantization makes to every element at every step,
+    and far rarer. The steps after a flip see slightly different weights, so the flips compound, as
+    torch's own last-bit differences do; whatever the CPU, they cannot compound into more than the
+    quantization itself does over the same steps. So the 8-bit runs at 1 and 2 ranks must differ by
+    well under the distance between the 8-bit run and torch's 32-bit run at 1 rank (a quarter of it in
+    L2, half of its largest element), both measured here, in the same run. A second moment wiped to zero (the state before the zero point) or a
+    partition edge that changes a block's maximum would show as differences of the size of that distance
+    itself."""
     results = {}
     for world in (1, 2):
         out = tmp_path / f"w{world}.pt"
@@ -98,19 +105,23 @@ def test_zero2_world_sizes_agree_after_accumulation(tmp_path):
                "--out", str(out), "--steps", "10"]
         run_checked(cmd, tmp_path / f"w{world}.log", timeout=600, cwd=tmp_path, result=out)
         results[world] = torch.load(out, weights_only=True)
-    diff = {}
-    for name in ("torch_adam", "Adam8bitBlock"):
-        a, b = results[1][name]["params"], results[2][name]["params"]
-        diff[name] = torch.cat([(a[n] - b[n]).reshape(-1) for n in a]).abs()
-    ref, ours = diff["torch_adam"], diff["Adam8bitBlock"]
-    lr = 1e-3
+
+    def distance(a, b):
+        return torch.cat([(a[n] - b[n]).reshape(-1) for n in a]).abs()
+
+    ref = distance(results[1]["torch_adam"]["params"], results[2]["torch_adam"]["params"])
+    ours = distance(results[1]["Adam8bitBlock"]["params"], results[2]["Adam8bitBlock"]["params"])
+    quantization = distance(results[1]["Adam8bitBlock"]["params"], results[1]["torch_adam"]["params"])
     print(f"1 vs 2 ranks: torch Adam max {float(ref.max()):.3g} L2 {float(ref.norm()):.3g}; "
-          f"Adam8bitBlock max {float(ours.max()):.3g} L2 {float(ours.norm()):.3g}, "
-          f"{int((ours > ref.max()).sum())} elements beyond torch's largest difference")
-    assert float(ref.max()) < 1e-4  # the calibration: last-bit differences only
-    assert float(ours.max()) <= 0.25 * lr  # one code step moves an element by at most ~0.14 lr
-    assert float(ours.norm()) <= 50 * float(ref.norm()) + 1e-9  # measured: 13x
-    assert int((ours > ref.max()).sum()) <= 1e-3 * ours.numel()  # measured: 88 of 437,760
+          f"Adam8bitBlock max {float(ours.max()):.3g} L2 {float(ours.norm()):.3g}; "
+          f"Adam8bitBlock vs torch Adam at 1 rank: max {float(quantization.max()):.3g} "
+          f"L2 {float(quantization.norm()):.3g}; ratio of the L2 distances {float(ours.norm() / quantization.norm()):.3f}")
+    assert float(ref.max()) < 1e-4  # the setup: the two world sizes differ in the last bits only
+    assert float(quantization.norm()) > 0  # the yardstick is the quantization's own trace
+    # measured on an AMD EPYC: L2 ratio 0.007, largest difference 0.10 of the quantization's largest (one
+    # element, the noisier figure: with 2048-element blocks it differed 4x between an Intel and an AMD CPU)
+    assert float(ours.norm()) <= 0.25 * float(quantization.norm())
+    assert float(ours.max()) <= 0.5 * float(quantization.max())
     for world in (1, 2):
         v = results[world]["Adam8bitBlock"]["exp_avg_sq"]
         assert v and sum(int((t == 0).sum()) for t in v.values()) == 0

@@ -45,6 +45,7 @@ def test_kernels_measure_what_the_reference_measures(isa):
     for state in ("exp_avg", "exp_avg_sq"):
         assert a["states"][state]["at_zero"] == b["states"][state]["at_zero"]
         assert a["states"][state]["rel_error"] == pytest.approx(b["states"][state]["rel_error"], rel=1e-9)
+        assert a["states"][state]["zeroed"] == b["states"][state]["zeroed"]
         assert 1e-4 < a["states"][state]["rel_error"] < 0.05
     for pa, pb in zip(a["params"], b["params"]):
         assert pa["param"] == pb["param"]
@@ -97,3 +98,40 @@ def test_zero_partitions_add_up_to_the_whole_parameters(world, stage):
     assert want.keys() == got.keys() and len(want) >= 4
     for i in want:
         assert torch.allclose(got[i], want[i], rtol=1e-9, atol=0), i
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_first_moments_lost_to_a_mixed_block_show(impl):
+    """A block that spans a part with far smaller gradients (as 2048-element blocks span the query and
+    value columns of GPT-2's c_attn) codes the small part's first moments against the large part's
+    maximum: below 1.6e-7 of it (half the smallest entry of the signed map) they are stored as zero, and
+    ``zeroed`` counts them. With blocks inside each part (the boundary at a multiple of 64) nothing is lost."""
+    g = torch.Generator().manual_seed(0)
+    grad = torch.randn(4096, generator=g)
+    grad[:1024] *= 1e-8  # a small part of 1024 elements, then a large one
+    report = {}
+    for bs in (2048, 64):
+        p = torch.nn.Parameter(torch.zeros(4096))
+        opt = ds_q8.AdamW8bitBlock([p], lr=1e-3, block_size=bs, impl=impl)
+        opt.track_quantization(1)
+        p.grad = grad.clone()
+        opt.step()
+        report[bs] = opt.quantization_report()["states"]
+    assert report[2048]["exp_avg"]["zeroed"] > 0.2  # most of the small part: 1024 of 4096 elements is 0.25
+    assert report[64]["exp_avg"]["zeroed"] == 0.0
+    assert report[64]["exp_avg_sq"]["zeroed"] == report[2048]["exp_avg_sq"]["zeroed"] == 0.0  # the zero point
+
+
+def test_the_report_covers_every_group_rule_muon_momentum_included():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(128, 64))
+    b = torch.nn.Parameter(torch.randn(5000))
+    opt = ds_q8.Muon8bitBlock([w, b], block_size=64, min_8bit_size=100)
+    opt.track_quantization(1)
+    w.grad, b.grad = torch.randn(128, 64), torch.randn(5000)
+    opt.step()
+    r = opt.quantization_report()
+    assert set(r["states"]) == {"momentum_buffer", "exp_avg", "exp_avg_sq"}
+    assert r["states"]["momentum_buffer"]["rel_error"] is not None
+    names = {(e["numel"], tuple(k for k in e if isinstance(e[k], dict))) for e in r["params"]}
+    assert names == {(128 * 64, ("momentum_buffer",)), (5000, ("exp_avg", "exp_avg_sq"))}

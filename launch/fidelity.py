@@ -1,0 +1,231 @@
+"""Per-matrix fidelity on real models: every weight matrix's update against torch's AdamW.
+
+Each optimizer trains the same model (built from a transformers config, never downloaded) from the same
+weights on the same batches of real text (the standard library's source, byte vocabulary) for a few
+steps; then, per weight matrix, the update ``p - p0`` is compared with torch's: its cosine and its norm
+ratio. The lowest cosine over the matrices is the figure that matters: a matrix that one quantization
+block spans across two parts of a fused projection shows there first (GPT-2's Conv1D ``c_attn`` holds
+query, key and value columns side by side in each row; GPT-NeoX's ``query_key_value`` is an nn.Linear
+of [3n, n] whose parts are rows).
+
+For ds_q8 rows it also counts first moments that the 8-bit state lost: elements whose first moment is
+stored as zero while torch's is not small against the element's own gradient scale
+(``|m| > 0.3 sqrt(v)``, both torch's). Such zeros are rare even where blocks mix (a value is stored as
+zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse codes, which the cosine shows.
+
+    python launch/fidelity.py                                   # GPT-2 at widths 128, 768 and 1600
+    python launch/fidelity.py --arch neox --widths 768 --optimizers ds_q8 ds_q8:bs2048
+    python launch/fidelity.py --optimizers lion8 lamb8 ademamix8  # the family against their 32-bit twins
+
+Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
+defaults), ``ds_q8:bsN`` (block_size=N), ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
+``lamb8`` and ``ademamix8`` compare Lion8bitBlock, LAMB8bitBlock and AdEMAMix8bitBlock with the same
+class at ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_data  # noqa: E402
+import gpt_models  # noqa: E402
+
+VOCAB = gpt_data.BYTE_VOCAB_SIZE
+#: default layers per width: enough matrices to show mixing, few enough to run on a laptop CPU
+LAYERS = {128: 2, 768: 4, 1600: 2}
+FAMILY = {"lion8": "Lion8bitBlock", "lamb8": "LAMB8bitBlock", "ademamix8": "AdEMAMix8bitBlock"}
+#: |m| above this fraction of sqrt(v) is not small against the element's own gradient scale
+M_LOST_FRACTION = 0.3
+
+
+def build(arch: str, width: int, layers: int, context: int, seed: int) -> torch.nn.Module:
+    """GPT-2 (Conv1D, fused q/k/v columns) or GPT-NeoX (nn.Linear, fused q/k/v rows), fresh weights."""
+    torch.manual_seed(seed)
+    heads = max(1, width // 64)
+    if arch == "gpt2":
+        return gpt_models.build_model(gpt_models.gpt2_config_of(layers, heads, width, VOCAB, context))
+    if arch == "neox":
+        from transformers import AutoModelForCausalLM, GPTNeoXConfig
+
+        config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers,
+                               num_attention_heads=heads, intermediate_size=4 * width,
+                               max_position_embeddings=context, bos_token_id=0, eos_token_id=0,
+                               tie_word_embeddings=False)
+        return AutoModelForCausalLM.from_config(config)
+    raise ValueError(f"--arch must be gpt2 or neox, got {arch!r}")
+
+
+def split(name: str) -> Tuple[str, Dict[str, int]]:
+    base, *changes = name.split(":")
+    options = {}
+    for c in changes:
+        if not c.startswith("bs") or not c[2:].isdigit():
+            raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N)")
+        options["block_size"] = int(c[2:])
+    if base not in ("torch", "ds_q8", "bnb") + tuple(FAMILY):
+        raise ValueError(f"optimizer {name!r}: must be torch, ds_q8, bnb, {', '.join(FAMILY)} (with :bsN)")
+    return base, options
+
+
+def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
+    base, options = split(name)
+    if base == "torch":
+        return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=False)
+    if base == "bnb":
+        import bitsandbytes as bnb
+
+        return lambda ps: bnb.optim.AdamW8bit(ps, lr=lr, weight_decay=weight_decay)
+    import ds_q8
+
+    cls = ds_q8.AdamW8bitBlock if base == "ds_q8" else getattr(ds_q8, FAMILY[base])
+    return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
+
+
+def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: int):
+    """The model after ``steps`` steps, its initial weights and the optimizer."""
+    model = model_fn()
+    init = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = make_opt(model.parameters())
+    for step in range(steps):
+        x, y = gpt_data.get_batch(text, batch, context, seed, 0, step)
+        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return model, init, opt
+
+
+def lost_first_moments(ref_opt, ref_model, opt, model) -> Dict[str, int]:
+    """Per matrix: elements whose first moment ``opt`` stores as zero while torch's ``|m| > 0.3 sqrt(v)``."""
+    import ds_q8
+
+    if not isinstance(opt, ds_q8.Optimizer8bitBlock):
+        return {}
+    ref_params, params = dict(ref_model.named_parameters()), dict(model.named_parameters())
+    out = {}
+    for n, p in params.items():
+        if p.dim() != 2 or "exp_avg" not in opt.rule_of(p).state_names:
+            continue
+        st = ref_opt.state[ref_params[n]]
+        m = opt.dequantized_state(p)["exp_avg"].reshape(-1)
+        big = st["exp_avg"].reshape(-1).abs() > M_LOST_FRACTION * st["exp_avg_sq"].reshape(-1).sqrt()
+        out[n] = int(((m == 0) & big).sum())
+    return out
+
+
+def compare(ref, ref_init, ours) -> List[dict]:
+    """Per weight matrix: cosine and norm ratio of the update against the reference's."""
+    ref_params, params = dict(ref.named_parameters()), dict(ours.named_parameters())
+    rows = []
+    for n, p in ref_params.items():
+        if p.dim() != 2:
+            continue
+        u_ref = (p.detach() - ref_init[n]).reshape(-1)
+        u = (params[n].detach() - ref_init[n]).reshape(-1)
+        rows.append(dict(matrix=n, cosine=float(torch.nn.functional.cosine_similarity(u, u_ref, dim=0)),
+                         norm_ratio=float(u.norm() / u_ref.norm())))
+    return rows
+
+
+def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 25, lr: float = 6e-4,
+        weight_decay: float = 0.01, batch: int = 16, context: int = 64, seed: int = 0, text=None) -> List[dict]:
+    """One row per optimizer: its lowest per-matrix cosine (and which matrix), the norm ratios' range and
+    the first moments lost, against torch's AdamW (or the class's own 32-bit twin for the family)."""
+    if text is None:
+        text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    model_fn = lambda: build(arch, width, layers, context, seed)  # noqa: E731
+    refs: Dict[str, tuple] = {}
+    rows = []
+    for name in optimizers:
+        base, options = split(name)
+        ref_name = "torch" if base in ("torch", "ds_q8", "bnb") else base + "@32"
+        if ref_name not in refs:
+            make_ref = make("torch", lr, weight_decay) if ref_name == "torch" else make(base, lr, weight_decay, 32)
+            refs[ref_name] = train(model_fn, make_ref, text, steps, batch, context, seed)
+        ref, ref_init, ref_opt = refs[ref_name]
+        if name == "torch":
+            continue
+        t0 = time.time()
+        model, _, opt = train(model_fn, make(name, lr, weight_decay), text, steps, batch, context, seed)
+        per = compare(ref, ref_init, model)
+        lost = lost_first_moments(ref_opt, ref, opt, model) if ref_name == "torch" else {}
+        worst = min(per, key=lambda r: r["cosine"])
+        rows.append(dict(arch=arch, width=width, layers=layers, optimizer=name, reference=ref_name,
+                         min_cosine=worst["cosine"], worst_matrix=worst["matrix"],
+                         norm_ratio_lo=min(r["norm_ratio"] for r in per), norm_ratio_hi=max(r["norm_ratio"] for r in per),
+                         m_lost=sum(lost.values()) if lost else None, per_matrix=per, lost_per_matrix=lost,
+                         seconds=round(time.time() - t0, 1)))
+        del model, opt
+    return rows
+
+
+def table(rows: List[dict]) -> str:
+    head = ["model", "optimizer", "against", "lowest cosine (matrix)", "norm ratio range", "first moments lost"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---:|---:|---:|"]
+    for r in rows:
+        short = r["worst_matrix"].replace("transformer.", "").replace("gpt_neox.layers.", "layers.")
+        lost = "" if r["m_lost"] is None else str(r["m_lost"])
+        lines.append(f"| {r['arch']} {r['width']} ({r['layers']}) | {r['optimizer']} | {r['reference']} | "
+                     f"{r['min_cosine']:.4f} (`{short}`) | {r['norm_ratio_lo']:.3f} - {r['norm_ratio_hi']:.3f} | {lost} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="gpt2", choices=["gpt2", "neox"])
+    ap.add_argument("--widths", type=int, nargs="+", default=[128, 768, 1600])
+    ap.add_argument("--layers", type=int, help="layers at every width (default: 2 at 128 and 1600, 4 at 768)")
+    ap.add_argument("--optimizers", nargs="+", default=["ds_q8", "ds_q8:bs2048", "bnb"])
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default="out/fidelity", help="output folder (fidelity.md, fidelity.json)")
+    args = ap.parse_args(argv)
+    for name in args.optimizers:
+        try:
+            split(name)
+        except ValueError as e:
+            ap.error(str(e))
+    for key in ("steps", "batch", "context", "threads"):
+        if getattr(args, key) < 1:
+            ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
+    if args.lr <= 0:
+        ap.error(f"--lr must be > 0, got {args.lr}")
+    names = list(args.optimizers)
+    if "bnb" in names:
+        try:
+            import bitsandbytes  # noqa: F401
+        except Exception:
+            print("bitsandbytes is not installed: its rows are left out (pip install bitsandbytes)")
+            names.remove("bnb")
+    torch.set_num_threads(args.threads)
+    text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    rows = []
+    for width in args.widths:
+        layers = args.layers or LAYERS.get(width, 2)
+        rows += run(args.arch, width, layers, names, args.steps, args.lr, 0.01, args.batch, args.context, args.seed, text)
+        print(table([r for r in rows if r["width"] == width]), flush=True)
+    header = (f"{args.arch}, byte vocabulary, the standard library's source, AdamW lr {args.lr:g}, betas 0.9/0.999, "
+              f"weight decay 0.01, {args.steps} steps of batch {args.batch} x context {args.context}, seed {args.seed}; "
+              "per weight matrix the update's cosine and norm ratio against the reference's.\n\n")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fidelity.md"), "w") as f:
+        f.write(header + table(rows))
+    with open(os.path.join(args.out, "fidelity.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(header + table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
