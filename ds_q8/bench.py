@@ -139,6 +139,14 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     return rows
 
 
+def block_rows(n: int, device: str, sizes) -> List[dict]:
+    """The kernel's AdamW step (``nonfinite="off"``) at each block size, every row on its own parameter."""
+    return [dict(name=f"block_size={bs}", bytes=BYTES_8BIT,
+                 step=ds_q8.AdamW8bitBlock(_params(n, device, 7 + i), lr=LR, weight_decay=WD, nonfinite="off",
+                                           impl="kernel", block_size=bs).step)
+            for i, bs in enumerate(sizes)]
+
+
 def quantize_rows(n: int, device: str, with_reference: bool = True) -> List[dict]:
     x = torch.randn(n, device=device)
     code = F.create_dynamic_map(True).to(device)
@@ -422,6 +430,9 @@ def main(argv=None) -> dict:
                     help="Muon table: one step over matrices of these shapes, DeepSpeed's Muon against Muon8bitBlock "
                          "(default: one GPT-2-small block, 768x2304 768x768 768x3072 3072x768; none given skips it)")
     ap.add_argument("--muon-only", action="store_true", help="only the Muon table")
+    ap.add_argument("--block-sizes", type=int, nargs="*", default=[64, 128, 256, 2048], metavar="B",
+                    help="block-size table: the kernel step at each block size, ratios to the last one (default "
+                         "64 128 256 2048, 2048 being 0.1's default; none given skips it)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.n < 1:
@@ -481,6 +492,15 @@ def main(argv=None) -> dict:
         many_table = table(many, count * size, baseline)
         del many
         _release(args.device)
+    block_table = []
+    if args.block_sizes:
+        blocks = block_rows(args.n, args.device, args.block_sizes)
+        measure(blocks, max(args.reps, 9), args.device)
+        block_table = table(blocks, args.n, blocks[-1]["name"])
+        for row, r in zip(block_table, blocks):  # paired, as for the partition table
+            row["paired_ratio"] = statistics.median(t / b for t, b in zip(r["times"], blocks[-1]["times"]))
+        del blocks
+        _release(args.device)
     part_table = []
     if args.segments:
         parts = partition_rows(args.n, args.segments, args.device)
@@ -526,9 +546,16 @@ def main(argv=None) -> dict:
         for r in part_table[1:]:
             print(f"segment overhead, {r['name']}: {100 * (r['paired_ratio'] - 1):+.1f}% of the one-tensor step "
                   "(median of per-repetition ratios)")
-    print_table("block-wise (de)quantization, block_size 2048", quant_table, None)
+    if block_table:
+        print_table(f"block sizes: AdamW8bitBlock (kernel, nonfinite=off) over {args.n} parameters", block_table,
+                    block_table[-1]["name"])
+        for r in block_table[:-1]:
+            print(f"{r['name']}: {100 * (r['paired_ratio'] - 1):+.1f}% against {block_table[-1]['name']} "
+                  "(median of per-repetition ratios)")
+    print_table(f"block-wise (de)quantization, block_size {F.DEFAULT_BLOCK_SIZE}", quant_table, None)
     result = dict(config=config, step=step_table, in_cache=in_cache, copy=copy_table,
                   many=dict(count=count, size=size, step=many_table), partition=part_table, quantization=quant_table,
+                  blocks=block_table,
                   muon=_print_muon(args, muon_table)["muon"])
     if args.json:
         with open(args.json, "w") as f:

@@ -15,12 +15,13 @@ zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse code
 
     python launch/fidelity.py                                   # GPT-2 at widths 128, 768 and 1600
     python launch/fidelity.py --arch neox --widths 768 --optimizers ds_q8 ds_q8:bs2048
-    python launch/fidelity.py --optimizers lion8 lamb8 ademamix8  # the family against their 32-bit twins
+    python launch/fidelity.py --optimizers lion8 lamb8 ademamix8 muon8  # the family against their 32-bit twins
 
 Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
 defaults), ``ds_q8:bsN`` (block_size=N), ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
-``lamb8`` and ``ademamix8`` compare Lion8bitBlock, LAMB8bitBlock and AdEMAMix8bitBlock with the same
-class at ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
+``lamb8``, ``ademamix8`` and ``muon8`` compare Lion8bitBlock, LAMB8bitBlock, AdEMAMix8bitBlock and
+Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
+``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
 """
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ import gpt_models  # noqa: E402
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 #: default layers per width: enough matrices to show mixing, few enough to run on a laptop CPU
 LAYERS = {128: 2, 768: 4, 1600: 2}
-FAMILY = {"lion8": "Lion8bitBlock", "lamb8": "LAMB8bitBlock", "ademamix8": "AdEMAMix8bitBlock"}
+FAMILY = {"lion8": "Lion8bitBlock", "lamb8": "LAMB8bitBlock", "ademamix8": "AdEMAMix8bitBlock",
+          "muon8": "Muon8bitBlock"}
+#: Muon's rate for its matrices (the other parameters take --lr): Muon's usual 0.02, the configs' peak
+MUON_LR = 0.02
 #: |m| above this fraction of sqrt(v) is not small against the element's own gradient scale
 M_LOST_FRACTION = 0.3
 
@@ -85,6 +89,8 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
     import ds_q8
 
     cls = ds_q8.AdamW8bitBlock if base == "ds_q8" else getattr(ds_q8, FAMILY[base])
+    if base == "muon8":  # the matrices' momentum under Muon's rate, the rest under AdamW's
+        return lambda ps: cls(ps, muon_lr=MUON_LR, adam_lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
     return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
 
 

@@ -36,6 +36,9 @@ def test_bench_small_run_writes_every_table(tmp_path, capsys):
         "one tensor", "flat partition of 150 parameters", "flat partition of 150 parameters, cut at both ends",
         "flat partition of 150 parameters of odd sizes"]
     assert all(r["paired_ratio"] > 0 for r in result["partition"]) and "segment overhead" in printed
+    # the block-size table: the kernel step at 64, 128, 256 and 2048, ratios to the last
+    assert [r["name"] for r in result["blocks"]] == [f"block_size={b}" for b in (64, 128, 256, 2048)]
+    assert result["blocks"][-1]["paired_ratio"] == 1.0 and "against block_size=2048" in printed
 
 
 def test_bench_in_cache_restores_the_thread_count_and_can_be_skipped():

@@ -323,3 +323,63 @@ def test_lr_is_read_from_the_group_each_step():
     o2.step()
     assert torch.equal(p1.detach(), before)
     assert not torch.equal(p2.detach(), before)
+
+
+def _format2(opt) -> dict:
+    """``opt``'s state_dict as ds_q8 0.1 wrote it (state format 2): each 8-bit state requantized from its
+    exact values with float32 block maxima (the plain maximum, 1/absmax as the scale)."""
+    from ds_q8.optim.qstate import absmax_key, codes_key
+    sd = copy.deepcopy(opt.state_dict())
+    sd["ds_q8"]["format"] = 2
+    for p, (pid, st) in zip(opt.param_groups[0]["params"], sd["state"].items()):
+        if not ds_q8.Optimizer8bitBlock.is_8bit_state(st):
+            continue
+        values = opt.dequantized_state(p)
+        bs = opt.param_groups[0]["block_size"]
+        for i, (name, signed) in enumerate(zip(opt.state_names, opt.state_signed)):
+            x = values[name].reshape(-1)
+            am = F.block_max(x, bs)  # float32, not rounded
+            st[codes_key(i)] = F.quantize_with_absmax(x, am, F.create_dynamic_map(signed), bs).view(st[codes_key(i)].shape)
+            st[absmax_key(i)] = am
+    return sd
+
+
+def test_format2_checkpoints_load_requantized_into_the_live_block_size():
+    """A 0.1 checkpoint (float32 maxima, 2048-element blocks) loads into an optimizer with 64-element
+    blocks: its states dequantized exactly and requantized, one warning; the groups keep the live
+    block size and the next steps run."""
+    torch.manual_seed(0)
+    old_p = nn.Parameter(torch.randn(64, 200))
+    old = ds_q8.AdamW8bitBlock([old_p], lr=1e-2, block_size=2048)
+    for _ in range(3):
+        old_p.grad = torch.randn_like(old_p)
+        old.step()
+    sd = _format2(old)
+    assert sd["state"][0]["absmax1"].dtype == torch.float32 and sd["param_groups"][0]["block_size"] == 2048
+    # what the 0.1 state holds, read with its own (float32) maxima
+    want = ds_q8.AdamW8bitBlock.export_fp32_state_dict(sd)["state"][0]
+    p = nn.Parameter(old_p.detach().clone())
+    new = ds_q8.AdamW8bitBlock([p], lr=1e-2)
+    with pytest.warns(RuntimeWarning, match="state format 2"):
+        new.load_state_dict(sd)
+    assert new.param_groups[0]["block_size"] == 64
+    st = new.state[p]
+    assert st["absmax1"].dtype == torch.bfloat16 and st["absmax1"].numel() == 64 * 200 // 64
+    got = new.dequantized_state(p)
+    for name in ("exp_avg", "exp_avg_sq"):  # within the new format's resolution (finer than the old one)
+        w, g = want[name].reshape(-1), got[name].reshape(-1)
+        assert float((w - g).abs().max()) <= 0.01 * float(w.abs().max())
+    p.grad = torch.randn_like(p)
+    new.step()
+    assert int(new.state[p]["step"]) == 4
+
+
+def test_format2_checkpoints_are_refused_by_the_universal_converter_with_the_fix():
+    from ds_q8.integration.universal import collect_param_codes
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64, 200))
+    opt = ds_q8.AdamW8bitBlock([p], lr=1e-2, block_size=2048)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    with pytest.raises(ValueError, match="format 2.*resume from the checkpoint once"):
+        collect_param_codes(_format2(opt), "ckpt/rank0", {})
