@@ -113,7 +113,8 @@ def test_comparison_holds_muon8bit_against_deepspeeds_muon(tmp_path):
     # the same tags: DeepSpeed's for "Muon", ds_q8's copy of them for Muon8bitBlock
     assert ds["muon_params"] == ours["muon_params"] > 0.9 * ds["n_params"]
     assert ds["muon_momentum_bytes"] == 4 * ds["muon_params"] and ds["muon_staging_bytes"] == 4 * ds["muon_params"]
-    assert 1.0 < ours["muon_momentum_bytes_8bit"] / ours["muon_momentum_elements_8bit"] < 1.01
+    # one byte a value, plus one bfloat16 maximum for every 64 values
+    assert 1.0 < ours["muon_momentum_bytes_8bit"] / ours["muon_momentum_elements_8bit"] <= 1.0 + 2 / 64 + 1e-3
     assert ours["muon_staging_bytes"] == 0
     assert "Muon momentum per Muon parameter (bytes) |  | 4.000 |" in text
     assert "Muon8bitBlock, 8-bit momentum against DeepSpeed Muon, fp32 momentum: eval loss" in text
