@@ -20,6 +20,9 @@ Optimizers:
                changes K:  nearest  state_rounding="nearest" (second moments rounded to nearest)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
+                           fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
+                                    a 32-bit run that differs from torch's only in rounding (how far
+                                    chaos alone moves a run)
   bnb          bitsandbytes' AdamW8bit, when bitsandbytes is installed (block 256)
   sim[:K+K]    AdamW whose states go through ds_q8.functional's block-wise quantization in plain
                PyTorch (slower), for changes the optimizer has no option for; sim alone rounds both
@@ -53,7 +56,7 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
-DS_Q8_CHANGES = ("nearest", "emb32")  # and bsN
+DS_Q8_CHANGES = ("nearest", "emb32", "fp32")  # and bsN
 
 
 @dataclasses.dataclass
@@ -217,7 +220,8 @@ def make_optimizer(name: str, model, lr: float, seed: int):
             for p in embeddings:
                 setattr(p, OPTIM_BITS_ATTR, 32)
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
-                                    state_rounding="nearest" if "nearest" in changes else "stochastic")
+                                    state_rounding="nearest" if "nearest" in changes else "stochastic",
+                                    optim_bits=32 if "fp32" in changes else 8)
     return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())
 
 

@@ -37,9 +37,9 @@ def config_for(variant: str, muon_lr: float) -> dict:
     old = params["muon_lr"]
     params["muon_lr"] = muon_lr
     sched = cfg["scheduler"]["params"]
+    peaks = list(sched["warmup_max_lr"])
     for key in ("warmup_max_lr", "warmup_min_lr"):  # the groups at the Muon rate move with it
-        sched[key] = [v * muon_lr / old if abs(m - old) < 1e-12 else v
-                      for v, m in zip(sched[key], sched["warmup_max_lr"])]
+        sched[key] = [v * muon_lr / old if abs(m - old) < 1e-12 else v for v, m in zip(sched[key], peaks)]
     for change in filter(None, changes.split("+")):
         if base != "muon8bit":
             raise ValueError(f"variant {variant!r}: only muon8bit takes changes")

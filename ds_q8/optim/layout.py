@@ -16,7 +16,7 @@ holds, at any world size.
 State storage of a tensor, per state ``i`` (from 1), as ``qstate.py`` keeps it:
   * ``state{i}``: uint8 codes of the 8-bit segments, packed in tensor order (shaped like the
     tensor when one 8-bit segment covers all of it);
-  * ``absmax{i}``: float32 block maxima of those segments, each segment's blocks in order
+  * ``absmax{i}``: bfloat16 block maxima of those segments, each segment's blocks in order
     (a shared block is stored by every rank that holds part of it);
   * ``state{i}_fp32``: float32 values of the fp32 segments, packed in tensor order (shaped like
     the tensor when one fp32 segment covers all of it).

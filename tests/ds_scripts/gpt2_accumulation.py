@@ -58,6 +58,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--micro_batches", type=int, default=4)
+    ap.add_argument("--block_size", type=int, default=None, help="Adam8bitBlock's block_size (default: its own)")
     ap.add_argument("--local_rank", type=int, default=0)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -65,6 +66,8 @@ def main():
     if args.micro_batches % world:
         raise ValueError(f"--micro_batches ({args.micro_batches}) must be a multiple of the world size ({world})")
     train, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    if args.block_size is not None:
+        OPTIMIZERS["Adam8bitBlock"]["params"]["block_size"] = args.block_size
     result = {}
     for name in OPTIMIZERS:
         params, states = run(name, args.steps, args.micro_batches, train, rank, world)
