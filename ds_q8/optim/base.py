@@ -140,7 +140,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
-        for transient in ("_layouts", "_qstates",  # rebuilt on use (a ZeRO layout holds a process group)
+        for transient in ("_layouts", "_qstates", "_group_cache",  # rebuilt on use (a ZeRO layout: a process group)
                           "grad_norm_source",  # belongs to the engine that set it
                           "_pending_skips",  # device events
                           "_telemetry"):  # device sums of one run
@@ -232,8 +232,23 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         return gi, pi, max(1, len(trainable))
 
     def _find_group(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
+        # every step asks this of every tensor: a map from each parameter to its (first) group, made
+        # again whenever the groups or their lists of parameters change (a scan per tensor made a step
+        # of 1000 small parameters quadratic). A hit is checked against its group's list, in O(1).
+        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in self.param_groups)
+        cache = getattr(self, "_group_cache", None)
+        if cache is None or cache[0] != key:
+            index: Dict[int, tuple] = {}
+            for group in self.param_groups:
+                for i, q in enumerate(group["params"]):
+                    index.setdefault(id(q), (group, i))
+            cache = self._group_cache = (key, index)
+        hit = cache[1].get(id(p))
+        if hit is not None and hit[1] < len(hit[0]["params"]) and hit[0]["params"][hit[1]] is p:
+            return hit[0]
+        for group in self.param_groups:  # a list edited in place since the map was made
             if any(q is p for q in group["params"]):
+                self._group_cache = None
                 return group
         raise KeyError("parameter is not managed by this optimizer")
 

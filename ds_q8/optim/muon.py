@@ -83,7 +83,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
     * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default).
 
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
-    8-bit block-wise (1 byte per element plus one fp32 maximum per block). Under ZeRO 1/2 each rank
+    8-bit block-wise (1 byte per element plus one bfloat16 maximum per block). Under ZeRO 1/2 each rank
     keeps its slices' codes; a matrix cut by a partition edge is formed whole from the ranks' slices of
     its Muon direction (``step._exchange``), so the step is the same bits at every world size.
     """
