@@ -140,7 +140,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
-        for transient in ("_layouts", "_qstates", "_group_cache",  # rebuilt on use (a ZeRO layout: a process group)
+        for transient in ("_layouts", "_qstates",  # rebuilt on use (a ZeRO layout holds a process group)
                           "grad_norm_source",  # belongs to the engine that set it
                           "_pending_skips",  # device events
                           "_telemetry"):  # device sums of one run
@@ -232,23 +232,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         return gi, pi, max(1, len(trainable))
 
     def _find_group(self, p: torch.Tensor) -> dict:
-        # every step asks this of every tensor: a map from each parameter to its (first) group, made
-        # again whenever the groups or their lists of parameters change (a scan per tensor made a step
-        # of 1000 small parameters quadratic). A hit is checked against its group's list, in O(1).
-        key = tuple((id(g), id(g["params"]), len(g["params"])) for g in self.param_groups)
-        cache = getattr(self, "_group_cache", None)
-        if cache is None or cache[0] != key:
-            index: Dict[int, tuple] = {}
-            for group in self.param_groups:
-                for i, q in enumerate(group["params"]):
-                    index.setdefault(id(q), (group, i))
-            cache = self._group_cache = (key, index)
-        hit = cache[1].get(id(p))
-        if hit is not None and hit[1] < len(hit[0]["params"]) and hit[0]["params"][hit[1]] is p:
-            return hit[0]
-        for group in self.param_groups:  # a list edited in place since the map was made
+        for group in self.param_groups:
             if any(q is p for q in group["params"]):
-                self._group_cache = None
                 return group
         raise KeyError("parameter is not managed by this optimizer")
 
@@ -398,7 +383,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
         states_random = {id(g): any(self.stochastic_states(g)) for g in self.param_groups}
         for group, p in work:
-            self._adopt_fp32_state(p, self.state[p])
+            self._adopt_fp32_state(p, self.state[p], group=group)
             qs = self.quantized_state(p, group)
             step_t = qs.entry["step"]
             if not torch.is_tensor(step_t):  # an int written by a loader
@@ -489,19 +474,22 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         maps and layouts come from the saved marker. The values are the dequantized codes, exactly."""
         return state_io.export_fp32(state_dict, cls.state_names, cls.state_signed, universal)
 
-    def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False) -> bool:
+    def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False,
+                          group: Optional[dict] = None) -> bool:
         """Requantize state that a loader wrote as fp32 under torch's or universal names.
 
         DeepSpeed's universal-checkpoint loader writes fp32 ``exp_avg``/``exp_avg_sq`` and ``step``
         straight into ``optimizer.state``; this turns them into codes and block maxima. Returns True
         when the state was replaced. On a sharded ZeRO partition requantizing takes an all-reduce, so
         it happens only when every rank does it together (``collective=True``, as the checkpoint hook
-        and :meth:`adopt_loaded_state` do)."""
-        state_names = self.rule_of(p).state_names
+        and :meth:`adopt_loaded_state` do). ``group``: the tensor's group where the caller knows it (the
+        step does: finding it scans every group's list, which per tensor made a step quadratic)."""
+        group = self._state_group(p) if group is None else group
+        state_names = self.rule_for(group).state_names
         names = state_io.fp32_names_in(state, state_names)
         if names is None:
             return False  # the usual case: one set test per tensor and step
-        layout = self.layout_of(p, self._state_group(p))
+        layout = self.layout_of(p, group)
         if layout.sharded and not collective:
             raise RuntimeError(
                 f"{type(self).__name__}: fp32 state ({', '.join(names)}) was written into a ZeRO partition "
