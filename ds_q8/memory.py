@@ -220,12 +220,15 @@ def measured_state_bytes(obj) -> Dict[str, int]:
 
 # ---------------------------------------------------------------------------- model states
 #: The memory ladder: ways to keep a model's training state under ZeRO-2 with bf16 parameters.
-#: (optimizer, bytes per element of the master weights and of their gradients, of each Adam moment)
+#: (optimizer, bytes per element of the master weights, of the gradient handed to the optimizer
+#: beside the reduced one, of each Adam moment)
 LADDER = {
-    "a": ("DeepSpeed Adam, bf16 mixed precision (fp32 masters, fp32 moments)", "Adam", 4, 4),
-    "b": ("DeepSpeed Adam, bf16 masters and bf16 moments", "Adam", 2, 2),
-    "c": ("ds_q8 Adam8bitBlock, fp32 masters", "Adam8bitBlock", 4, None),
-    "d": ("ds_q8 Adam8bitBlock, bf16 masters, stochastic rounding", "Adam8bitBlock", 2, None),
+    "a": ("DeepSpeed Adam, bf16 mixed precision (fp32 masters, fp32 moments)", "Adam", 4, 4, 4),
+    "b": ("DeepSpeed Adam, bf16 masters and bf16 moments", "Adam", 2, 2, 2),
+    "c": ("ds_q8 Adam8bitBlock, fp32 masters", "Adam8bitBlock", 4, 4, None),
+    "d": ("ds_q8 Adam8bitBlock, bf16 masters copied as DeepSpeed copies them (before 0.3)", "Adam8bitBlock", 2, 2,
+          None),
+    "e": ("ds_q8 Adam8bitBlock, bf16 masters: the parameters themselves, no copies", "Adam8bitBlock", 0, 0, None),
 }
 MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_states")
 
@@ -237,22 +240,24 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
     * ``params``: the bf16 parameters the model computes with (2 bytes each);
     * ``grads``: ZeRO-2's bf16 gradient partition (2 bytes each);
     * ``masters``: the optimizer's copy of the parameters, one flat partition per group padded to an
-      even length (DeepSpeed's alignment at one rank);
-    * ``master_grads``: the gradient partition handed to the optimizer, in the masters' dtype: it lives
-      during the step, one group at a time, all of it when one group holds most parameters;
+      even length (DeepSpeed's alignment at one rank); none where the masters are views of the bf16
+      parameters (``integration.shared_masters``);
+    * ``master_grads``: the gradient partition handed to the optimizer, in the masters' dtype, where it
+      is a copy of the reduced gradients: it lives during the step, one group at a time, all of it
+      when one group holds most parameters;
     * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state
       (``group_bits``: 32 for a group kept in fp32, such as ``ds_q8.param_groups``'s embeddings).
     """
     if rung not in LADDER:
         raise ValueError(f"rung must be one of {sorted(LADDER)}, got {rung!r}")
-    _, optimizer, master, moment = LADDER[rung]
+    _, optimizer, master, master_grad, moment = LADDER[rung]
     sizes = [sum(int(n) for n in g) for g in groups]
     padded = sum(math.ceil(n / 2) * 2 for n in sizes)
     total = sum(sizes)
     states = (2 * moment * padded if moment is not None else
               estimate_state_bytes(groups, 2, 1, optimizer, block_size=block_size, min_8bit_size=min_8bit_size,
                                    group_bits=group_bits))
-    return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master * padded,
+    return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master_grad * padded,
                 optimizer_states=states)
 
 
@@ -265,32 +270,108 @@ def measure_model_states(engine, run_step) -> Dict[str, int]:
     wrapper = engine.optimizer
     base = _base_optimizer(engine)
     seen = {"master_grads": 0, "grads": 0}
-    base_step, wrapper_step = base.step, wrapper.step
+    grad_storages = set()
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
 
-    def watched_base(*args, **kwargs):  # the optimizer's step: the gradient in the masters' dtype
-        seen["master_grads"] = max(seen["master_grads"], sum(
-            p.grad.numel() * p.grad.element_size() for g in base.param_groups for p in g["params"]
-            if p.grad is not None))
+    def watched_base(*args, **kwargs):  # the optimizer's step: the gradient in the masters' dtype, where
+        seen["master_grads"] = max(seen["master_grads"], sum(  # it is not a view of the reduced gradients
+            nbytes(p.grad) for g in base.param_groups for p in g["params"]
+            if p.grad is not None and ptr(p.grad) not in grad_storages))
         return base_step(*args, **kwargs)
 
     def watched_wrapper(*args, **kwargs):  # ZeRO's step, entered with the reduced gradient partition
         lp = getattr(wrapper, "grads_in_partition", None)  # one buffer (contiguous_gradients) ...
         held = [lp] if lp is not None else [t for ts in (getattr(wrapper, "averaged_gradients", None) or {}).values()
                                             if ts is not None for t in ts if torch.is_tensor(t)]  # ... or one per param
-        seen["grads"] = max(seen["grads"], sum(t.numel() * t.element_size() for t in held))
+        seen["grads"] = max(seen["grads"], sum(nbytes(t) for t in held))
+        grad_storages.update(ptr(t) for t in held)
         return wrapper_step(*args, **kwargs)
 
-    base.step, wrapper.step = watched_base, watched_wrapper
-    try:
+    base_step, wrapper_step = base.step, wrapper.step
+    with _watching({base: watched_base, wrapper: watched_wrapper}):
         run_step()
-    finally:
-        del base.step, wrapper.step  # back to the classes' methods
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     params = sum(nbytes(p) for p in engine.module.parameters())
-    masters = sum(nbytes(t) for t in getattr(wrapper, "single_partition_of_fp32_groups", []))
+    param_storages = {ptr(p) for p in engine.module.parameters()}
+    masters = sum(nbytes(t) for t in getattr(wrapper, "single_partition_of_fp32_groups", [])
+                  if ptr(t) not in param_storages)  # a master that is a view of the parameters holds nothing more
     states = sum(nbytes(v) for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step")
     return dict(params=params, grads=seen["grads"], masters=masters, master_grads=seen["master_grads"],
                 optimizer_states=states)
+
+
+def reachable_storages(*roots) -> Dict[int, int]:
+    """Every tensor storage reachable from ``roots`` (an engine, an optimizer, a module), each once:
+    ``{data pointer: bytes}``. The walk follows the attributes of torch, DeepSpeed and ds_q8 objects,
+    the items of lists, tuples, sets and dicts, and each tensor's ``.grad`` and attributes, so it finds
+    the master partitions, gradient buffers and states where DeepSpeed and ds_q8 keep them."""
+    found: Dict[int, int] = {}
+    seen, todo = set(), list(roots)
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
+            continue
+        seen.add(id(obj))
+        if torch.is_tensor(obj):
+            if obj.device.type != "meta" and obj.numel():
+                storage = obj.untyped_storage()
+                if storage.data_ptr():
+                    found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
+            todo.append(obj.grad)
+            todo.extend(getattr(obj, "__dict__", {}).values())
+        elif isinstance(obj, dict):
+            todo.extend(obj.keys())
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "ds_q8") and hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+    return found
+
+
+def watch_model_states(engine, run_step) -> Dict[str, int]:
+    """Bytes of every storage reachable from a live engine (:func:`reachable_storages`): right after
+    backward (when ZeRO's step is entered, before it touches the gradients) and while the optimizer
+    steps, the larger of each. ``run_step()`` runs one step (forward, backward, ``engine.step()``)."""
+    wrapper = engine.optimizer
+    base = _base_optimizer(engine)
+    seen = {"after_backward": 0, "during_step": 0}
+    base_step, wrapper_step = base.step, wrapper.step
+
+    def count(key):
+        seen[key] = max(seen[key], sum(reachable_storages(engine).values()))
+
+    def watched_base(*args, **kwargs):
+        count("during_step")
+        return base_step(*args, **kwargs)
+
+    def watched_wrapper(*args, **kwargs):
+        count("after_backward")
+        return wrapper_step(*args, **kwargs)
+
+    with _watching({base: watched_base, wrapper: watched_wrapper}):
+        run_step()
+    return seen
+
+
+class _watching:
+    """Set each object's ``step`` for a while, then put back what its instance had (DeepSpeed's
+    wrapper may carry a per-engine ``step`` of its own, see ``integration.grad_norm``)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+        self.saved = {id(o): (o, vars(o).get("step")) for o in steps}
+
+    def __enter__(self):
+        for obj, step in self.steps.items():
+            obj.step = step
+
+    def __exit__(self, *exc):
+        for obj, before in self.saved.values():
+            if before is None:
+                vars(obj).pop("step", None)
+            else:
+                obj.step = before
 
 
 def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE,
@@ -298,7 +379,7 @@ def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE,
     """Every rung's predicted bytes, in total and per parameter."""
     n = sum(sum(g) for g in groups)
     rows = []
-    for rung, (label, optimizer, _, _) in LADDER.items():
+    for rung, (label, optimizer, *_) in LADDER.items():
         parts = predict_model_states(groups, rung, block_size, min_8bit_size)
         total = sum(parts.values())
         rows.append(dict(rung=rung, label=label, optimizer=optimizer, bytes=total, per_param=total / n, **parts))
@@ -374,7 +455,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ladder", action="store_true",
                     help="instead: model-state bytes at ZeRO-2, one rank, for (a) DeepSpeed fp32 Adam with bf16 "
                          "mixed precision, (b) DeepSpeed bf16 masters and states, (c) ds_q8 8-bit with fp32 "
-                         "masters, (d) ds_q8 8-bit with bf16 masters")
+                         "masters, (d) ds_q8 8-bit with copied bf16 masters, (e) ds_q8 8-bit stepping the bf16 "
+                         "parameters themselves (what a bf16-master config gets)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.params is not None:

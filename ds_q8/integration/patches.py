@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
-from . import checkpoint_files, engine_checks, engine_hooks, grad_norm, muon_tags, universal, zero_layout
+from . import checkpoint_files, engine_checks, engine_hooks, grad_norm, muon_tags, shared_masters, universal, zero_layout
 from .lookup import optimizer_classes
 
 BEFORE, AFTER, REPLACE, SET, APPEND, PER_ENGINE = "before", "after", "replace", "set", "append", "per-engine"
@@ -82,6 +82,15 @@ PATCHES: Tuple[Patch, ...] = (
           "before DeepSpeed replaces anything"),
     Patch(f"{_ENGINE}._configure_zero_optimizer", AFTER, zero_layout._attach_hook,
           "tell the ds_q8 optimizer which parameter slices each ZeRO flat partition holds"),
+    Patch(f"{_ENGINE}._configure_zero_optimizer", AFTER, shared_masters._share_hook,
+          "with bf16 masters, ZeRO-1/2's master partition is a copy of the rank's slice of the bf16 parameters "
+          "that DeepSpeed copies back after every step: make it a view of that slice, and lay out the reduced "
+          "gradients in partition order so that the step needs no flattened copy of them"),
+    Patch(f"{_STAGE12}.copy_grads_in_partition", REPLACE, shared_masters._copy_grads_in_partition,
+          "store each reduced gradient at its place in the partition where shared_masters laid one out"),
+    Patch(f"{_STAGE12}.step", BEFORE, shared_masters._hand_preflattened,
+          "hand the partition's gradient as one view of that buffer (DeepSpeed's pre-flattened gradient), "
+          "so that the step does not flatten a copy"),
     Patch(f"{_ENGINE}._configure_bf16_optimizer", AFTER, zero_layout._attach_hook,
           "the same for the flat partitions of DeepSpeed's bf16 optimizer"),
     Patch(f"{_LINKAGE}:get_full_hp_param", REPLACE, zero_layout._patched_get_full_hp_param,

@@ -19,8 +19,8 @@ from torch import nn
 
 import deepspeed
 import ds_q8
-from ds_q8.integration import grad_norm
-from ds_q8.memory import measure_model_states, measured_state_bytes
+from ds_q8.integration import grad_norm, shared_masters
+from ds_q8.memory import measure_model_states, measured_state_bytes, watch_model_states
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
 
@@ -38,6 +38,20 @@ class TinyLM(nn.Module):
         h = torch.nn.functional.gelu(self.fc1(self.emb(x)))
         h = self.norm(torch.nn.functional.gelu(self.fc2(h)))
         return self.head(h)
+
+
+class GPT2Logits(nn.Module):
+    """GPT-2 from transformers' config (Conv1D layers, fused c_attn) on the tiny vocabulary."""
+
+    def __init__(self, n_layer, n_embd):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer,
+                                               n_head=8, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    def forward(self, x):
+        return self.gpt2(x).logits
 
 
 def batch(step, micro, rank):
@@ -76,9 +90,23 @@ def dump_state(engine, prefix, rank):
     torch.save(groups, f"{prefix}.rank{rank}.pt")
 
 
+def _bits_digest(model) -> str:
+    """A digest of every parameter's bits on this rank (after ZeRO's all-gather every rank holds all)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        if p.numel():
+            h.update(p.detach().cpu().contiguous().view(torch.uint8 if p.element_size() == 1 else torch.int16
+                                                        if p.element_size() == 2 else torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
 def run_job(job, rank, world):
     torch.manual_seed(job.get("seed", 0))
-    model = TinyLM(job.get("hidden", HIDDEN))
+    model = GPT2Logits(*job["gpt2"]) if job.get("gpt2") else TinyLM(job.get("hidden", HIDDEN))
+    # False: DeepSpeed's own copies of bf16 masters and of the step's gradient (the ladder's rung (d))
+    shared_masters.ENABLED = job.get("share_masters", True)
     params = ds_q8.param_groups(model, weight_decay=0.01) if job.get("param_groups") else model.parameters()
     rec = {}
     phase = "initialize"
@@ -116,6 +144,8 @@ def run_job(job, rank, world):
 
         if job.get("model_states") and model_states is None:  # measured over the first optimizer step
             model_states = measure_model_states(engine, one_step)
+        elif job.get("reachable") and step == start + 1:  # every storage the engine holds, over the second
+            rec["reachable"] = watch_model_states(engine, one_step)
         else:
             one_step()
         t = torch.tensor([total / gas], dtype=torch.float64)
@@ -131,7 +161,8 @@ def run_job(job, rank, world):
     rec["nonfinite_checks"] = dict(inner.nonfinite_checks) if inner is not None else None
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
                state_entries=entries, stepped_dtypes=stepped, model_states=model_states,
-               param_sizes=[p.numel() for p in model.parameters()])
+               param_sizes=[p.numel() for p in model.parameters()],
+               params_bits=_bits_digest(model))
     if hasattr(engine, "destroy"):
         engine.destroy()
     return rec
