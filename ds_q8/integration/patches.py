@@ -91,6 +91,9 @@ PATCHES: Tuple[Patch, ...] = (
     Patch(f"{_STAGE12}.step", BEFORE, shared_masters._hand_preflattened,
           "hand the partition's gradient as one view of that buffer (DeepSpeed's pre-flattened gradient), "
           "so that the step does not flatten a copy"),
+    Patch(f"{_STAGE12}.state_dict", AFTER, shared_masters._own_storage,
+          "a checkpoint's master partitions are saved as views of the whole bf16 group once shared: give each "
+          "its own storage, so that each rank's file holds its partition only"),
     Patch(f"{_ENGINE}._configure_bf16_optimizer", AFTER, zero_layout._attach_hook,
           "the same for the flat partitions of DeepSpeed's bf16 optimizer"),
     Patch(f"{_LINKAGE}:get_full_hp_param", REPLACE, zero_layout._patched_get_full_hp_param,

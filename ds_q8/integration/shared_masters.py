@@ -174,6 +174,28 @@ def _hand_preflattened(self, *args, **kwargs) -> None:
     layout.storages.clear()
 
 
+def _own_storage(self, state_dict, *args, **kwargs) -> None:
+    """After ZeRO-1/2's ``state_dict``: the saved master partitions are views, now of the whole flat bf16
+    group; ``torch.save`` writes a view's whole storage, so each rank's file would hold every rank's
+    parameters. Give each its own storage, as DeepSpeed's copy had."""
+    from deepspeed.checkpoint.constants import SINGLE_PARTITION_OF_FP32_GROUPS
+
+    if not _shares(self):
+        return
+    saved = state_dict.get(SINGLE_PARTITION_OF_FP32_GROUPS)
+    if saved is not None:
+        state_dict[SINGLE_PARTITION_OF_FP32_GROUPS] = [
+            t.clone() if torch.is_tensor(t) and t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+            for t in saved]
+
+
+def _shares(wrapper) -> bool:
+    groups = getattr(wrapper, "parallel_partitioned_bit16_groups", None) or []
+    masters = getattr(wrapper, "single_partition_of_fp32_groups", None) or []
+    return any(m.untyped_storage().data_ptr() == g[0].untyped_storage().data_ptr() for m, g in zip(masters, groups)
+               if len(g))
+
+
 def _share_hook(engine, wrapper, *args, **kwargs) -> None:
     if share_masters(wrapper):
         order_gradients(wrapper)
