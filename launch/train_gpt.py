@@ -99,6 +99,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="draw micro-batch m of step s on rank r as the run's micro-batch (s * grad_accum + m) * "
                          "world + r, not per rank: 1 rank with --grad_accum 2 then sees the batches 2 ranks with "
                          "--grad_accum 1 see, in the order they are summed (the same at world size 1)")
+    ap.add_argument("--copy_bf16_masters", action="store_true",
+                    help="with bf16 masters, keep DeepSpeed's own master copy and flattened gradient (the memory "
+                         "ladder's rung (d)) instead of stepping the bf16 parameters in place: to compare memory")
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -271,6 +274,10 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     weight_decay = float(cfg["optimizer"]["params"].get("weight_decay", 0.0))
     groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state
+    if args.copy_bf16_masters:
+        from ds_q8.integration import shared_masters
+
+        shared_masters.ENABLED = False
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     device = engine.device
     ds_q8.ops.load_op(torch.device(device).type)  # a first run compiles the kernels here, before the progress bar

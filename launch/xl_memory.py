@@ -1,6 +1,6 @@
 """GPT-2 1.5B at full depth on this machine: which rungs of the memory ladder fit, measured.
 
-    python launch/xl_memory.py                  # rungs (d) and (b), 3 steps each, a table at the end
+    python launch/xl_memory.py                  # rungs (e), (d) and (b), 3 steps each, a table at the end
     python launch/xl_memory.py --rungs d b c    # also (c); a rung whose run is killed is reported so
 
 For each rung this runs, at world size 1 on the CPU,
@@ -14,7 +14,8 @@ evaluation), its losses and seconds per step, and whether it fits in this machin
 
 Rungs (``ds_q8.memory.LADDER``): (a) DeepSpeed Adam with fp32 masters and moments, (b) DeepSpeed
 Adam with bf16 masters and moments, (c) ds_q8 8-bit with fp32 masters, (d) ds_q8 8-bit with bf16
-masters and stochastic rounding.
+masters and stochastic rounding, copied as DeepSpeed copies them (``--copy_bf16_masters``), (e) the same
+config as (d) as users run it: the optimizer steps the bf16 parameters themselves.
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ CONFIGS = {
     "b": "gpt2_xl_bf16_states_zero2.json",
     "c": "gpt2_xl_8bit_zero2.json",
     "d": "gpt2_xl_8bit_bf16master_zero2.json",
+    "e": "gpt2_xl_8bit_bf16master_zero2.json",
 }
+EXTRA = {"d": ["--copy_bf16_masters"]}  # the same config, with DeepSpeed's copies
 
 
 def predicted(rung: str, context: int) -> dict:
@@ -65,7 +68,7 @@ def run(rung: str, steps: int, context: int, out: Path) -> dict:
     cmd = [sys.executable, str(HERE / "train_gpt.py"), "--model", "gpt2-xl", "--deepspeed_config",
            str(REPO / "ds_configs" / CONFIGS[rung]), "--context", str(context), "--micro_batch", "1",
            "--grad_accum", "1", "--max_steps", str(steps), "--save_dir", str(save_dir), "--overwrite",
-           "--no_progress"]
+           "--no_progress"] + EXTRA.get(rung, [])
     print(f"== ({rung}) {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
@@ -91,7 +94,7 @@ def memory_total() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rungs", nargs="+", default=["d", "b"], choices=sorted(CONFIGS))
+    ap.add_argument("--rungs", nargs="+", default=["e", "d", "b"], choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", default=str(REPO / "out" / "xl"))
