@@ -2,31 +2,35 @@
 // rounding, and the per-element update rule of every optimizer.
 //
 // Everything here must give the same bits as the pure-PyTorch reference (ds_q8/functional.py and
-// the optimizers' _update_fp32). That is why each update is written one IEEE operation at a time
-// and the drivers are compiled without floating-point contraction (-ffp-contract=off, nvcc
-// -fmad=false) and without fast-math.
+// the rules' update functions in ds_q8/optim/rules.py). That is why each update is written one IEEE
+// operation at a time and the drivers are compiled without floating-point contraction
+// (-ffp-contract=off, nvcc -fmad=false) and without fast-math.
 //
 // ---------------------------------------------------------------------------------------------
-// Adding an optimizer (whole-tensor rules such as LAMB/LARS get their norms as step scalars)
+// Adding an optimizer: docs/adding-an-optimizer.md (AdEMAMixRule below is its worked example)
 // ---------------------------------------------------------------------------------------------
-// 1. Write a rule struct below:
+// 1. In ds_q8/optim/rules.py, a Rule(name, state_names, state_signed, update): update(p, g, states, h)
+//    is the specification, on float32 tensors, one operation per line.
+// 2. Here, a functor next to the others:
 //      struct MyRule {
-//        static constexpr int kStates = 1 to Q8_MAX_STATES; // how many quantized states
-//        float lr, ...;                                 // hyperparameters, already float
+//        static constexpr int kStates = 1 to Q8_MAX_STATES; // = len(Rule.state_names)
+//        float lr, ...;                                 // step scalars, already float
 //        template <class Get> Q8_HOST explicit MyRule(Get get)
-//            : lr(q8_hyper(get, "lr")), ... {}          // names = keys of the Python _hyper() dict
+//            : lr(q8_hyper(get, "lr")), ... {}          // names = keys of the class's _hyper() dict
 //        template <class V> Q8_HD void operator()(V& p, V g, V* s) const { ... }
 //      };
 //    operator() receives the parameter and gradient as float32 and the states dequantized to
 //    float32, and updates p and s[0..kStates) in place. V is `float` on CUDA and in the scalar
 //    CPU path and a SIMD vector on AVX2/AVX-512; it supports + - * /, V(float) broadcast,
-//    q8_sqrt(V) and q8_sign(V). Branch only on hyperparameters (uniform per call),
-//    never on element values, so the same code vectorizes. Mirror the Python _update_fp32 one
-//    operation per line: `a * b + c * d` is fine (contraction is off), but do not reassociate.
-// 2. Add one line to Q8_RULES at the end of this file with the name the Python class puts in
-//    `update_rule`.
-// 3. Write the Python class (subclass Optimizer8bitBlock: state_names, state_signed, update_rule,
-//    _hyper, _update_fp32). The CPU and CUDA drivers pick the rule up by name; no kernel changes.
+//    q8_sqrt(V) and q8_sign(V). Branch only on hyperparameters (uniform per call), never on
+//    element values, so the same code vectorizes. Mirror the rule's update one operation per
+//    line: `a * b + c * d` is fine (contraction is off), but do not reassociate.
+//    Then one line in Q8_RULES at the end of this file, under the Rule's name.
+// 3. In ds_q8/optim/, the class: a subclass of Optimizer8bitBlock (ds_q8/optim/base.py) with
+//    `rule = rules.MY_RULE`, its constructor defaults, _check_group and _hyper. The drivers pick the
+//    functor up by name; no kernel or binding changes.
+// 4. Its row in tests/optimizer_cases.py (ds_q8 class, 32-bit reference, hyperparameters).
+// Rules scaled by whole-parameter norms (LAMB/LARS) get those norms as step scalars.
 #pragma once
 
 #include <stdint.h>
@@ -322,7 +326,7 @@ Q8_HD float q8_sqrt(float x) { return sqrtf(x); }
 // torch.sign: (0 < x) - (x < 0), so +0, -0 and NaN all give +0.
 Q8_HD float q8_sign(float x) { return (0.0f < x ? 1.0f : 0.0f) - (x < 0.0f ? 1.0f : 0.0f); }
 
-// torch.optim.Adam / AdamW (ds_q8.optim.adam._AdamBase._update_fp32), states: exp_avg, exp_avg_sq.
+// torch.optim.Adam / AdamW (ds_q8.optim.rules.ADAM / ADAMW), states: exp_avg, exp_avg_sq.
 template <bool kDecoupled>
 struct AdamRule {
     static constexpr int kStates = 2;
@@ -540,7 +544,7 @@ struct LionRule {
 
 }  // namespace
 
-// Every rule the drivers know, by the name Python uses in `update_rule`.
+// Every rule the drivers know, by its Python Rule's name (ds_q8/optim/rules.py).
 #define Q8_RULES(X)                             \
     X("adam", AdamRule<false>)                  \
     X("adamw", AdamRule<true>)                  \
