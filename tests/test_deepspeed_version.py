@@ -13,7 +13,12 @@ were read in DeepSpeed 0.19.8; this test fails on another release so that they a
 * ``ZeROOptimizer._configure_master_weights``, wrapped by a row of ``integration/patches.py``;
 * ``DeepSpeedEngine._configure_zero_optimizer``, ``_configure_bf16_optimizer``, ``_load_zero_checkpoint``
   and ``load_checkpoint``, which rows of ``integration/patches.py`` wrap;
-* ``grads_in_partition`` and ``averaged_gradients``, which ``ds_q8.memory.measure_model_states`` reads.
+* ``grads_in_partition`` and ``averaged_gradients``, which ``ds_q8.memory.measure_model_states`` reads;
+* ZeRO 1/2's ``copy_grads_in_partition`` (replaced), ``_get_preflattened_grad_partition`` (the
+  ``flat_partition`` it reads), ``_link_all_hp_params``, ``_use_compact_grad_partition_buffer``,
+  ``get_gradient_for_reduction``, ``get_param_id``, ``state_dict`` and the bookkeeping
+  ``parallel_partitioned_bit16_groups``, ``params_in_partition``, ``partition_size``, ``first_offset``,
+  ``round_robin_bit16_padding``, which ``integration/shared_masters.py`` uses to step bf16 masters in place.
 """
 import deepspeed
 
@@ -39,3 +44,18 @@ def test_the_private_places_exist():
         assert hasattr(DeepSpeedEngine, name), name
     for name in ("get_full_hp_param", "set_full_hp_param"):
         assert hasattr(mixed_precision_linkage, name) and hasattr(DeepSpeedZeroOptimizer_Stage3, name), name
+
+
+def test_the_places_shared_masters_uses_exist():
+    import inspect
+
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for name in ("copy_grads_in_partition", "_get_preflattened_grad_partition", "_link_all_hp_params",
+                 "_use_compact_grad_partition_buffer", "get_gradient_for_reduction", "get_param_id", "state_dict"):
+        assert callable(getattr(DeepSpeedZeroOptimizer, name, None)), name
+    assert "flat_partition" in inspect.getsource(DeepSpeedZeroOptimizer._get_preflattened_grad_partition)
+    init = inspect.getsource(DeepSpeedZeroOptimizer.__init__) + inspect.getsource(DeepSpeedZeroOptimizer)
+    for name in ("parallel_partitioned_bit16_groups", "params_in_partition", "partition_size", "first_offset",
+                 "round_robin_bit16_padding", "grads_in_partition"):
+        assert f"self.{name}" in init, name
