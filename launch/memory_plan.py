@@ -5,7 +5,9 @@ rest, K bytes per parameter, over the N data-parallel ranks:
   32-bit Adam: K = 4 (fp32 master) + 4 + 4 (two fp32 moments)                 = 12
   8-bit Adam:  K = 4 (fp32 master) + 1 + 1 (two uint8 moments) + 2 * 2 / block = 6.0625 at block 64
                (one bfloat16 maximum per block and moment)
-Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 in both.
+  8-bit Adam, bf16 masters stepped in place (``bf16_master_weights_and_grads``, the memory ladder's
+               rung (e)): K = 0 + 2.0625: the masters are the bf16 weights themselves
+Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 (K = 8 in place).
 Activations, temporaries and communication buffers come on top and depend on batch and context.
 
 Run ``python launch/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device).
@@ -22,24 +24,25 @@ GB = 1e9
 BF16_WEIGHT_AND_GRAD = 2 + 2
 
 
-def optimizer_bytes_per_param(optim_bits: int, block_size: int = DEFAULT_BLOCK_SIZE) -> float:
-    """K: fp32 master copy plus both Adam moments, per parameter (moments as ds_q8.memory counts them)."""
+def optimizer_bytes_per_param(optim_bits: int, block_size: int = DEFAULT_BLOCK_SIZE, master_bytes: int = 4) -> float:
+    """K: the master copy (``master_bytes``: 4 for fp32, 0 where the bf16 weights are the masters) plus both
+    Adam moments, per parameter (moments as ds_q8.memory counts them)."""
     if optim_bits not in (8, 32):
         raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
     # one full block, so its absmax is counted exactly once
     moments = tensor_state_bytes(block_size, 2, optim_bits, block_size, min_8bit_size=0) / block_size
-    return 4 + moments
+    return master_bytes + moments
 
 
 def model_state_bytes(n_params: int, world_size: int, optim_bits: int, n_params_32bit: int = 0,
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> float:
+                      block_size: int = DEFAULT_BLOCK_SIZE, master_bytes: int = 4) -> float:
     """Bytes of weights, gradients and optimizer state on one rank under ZeRO-2 with bf16."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= n_params_32bit <= n_params:
         raise ValueError(f"n_params_32bit must be in [0, n_params={n_params}], got {n_params_32bit}")
-    k_main = optimizer_bytes_per_param(optim_bits, block_size)
-    k_32 = optimizer_bytes_per_param(32)
+    k_main = optimizer_bytes_per_param(optim_bits, block_size, master_bytes)
+    k_32 = optimizer_bytes_per_param(32, master_bytes=master_bytes)
     sharded = (n_params - n_params_32bit) * k_main + n_params_32bit * k_32
     return n_params * BF16_WEIGHT_AND_GRAD + sharded / world_size
 
@@ -49,7 +52,9 @@ def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size:
     for n in world_sizes:
         b32 = model_state_bytes(n_params, n, 32)
         b8 = model_state_bytes(n_params, n, 8, n_params_32bit, block_size)
-        rows.append(dict(world_size=n, adam32_gb=b32 / GB, adam8_gb=b8 / GB, saved_gb=(b32 - b8) / GB))
+        e = model_state_bytes(n_params, n, 8, n_params_32bit, block_size, master_bytes=0)
+        rows.append(dict(world_size=n, adam32_gb=b32 / GB, adam8_gb=b8 / GB, saved_gb=(b32 - b8) / GB,
+                         adam8_inplace_gb=e / GB))
     return rows
 
 
@@ -57,11 +62,12 @@ def format_plan(n_params: int, n_params_32bit: int, rows: List[Dict]) -> str:
     lines = [
         f"model states per rank, ZeRO-2 + bf16, {n_params:,} = {n_params / 1e9:.4f}e9 params "
         f"({n_params_32bit / 1e6:.1f}M kept 32-bit as embeddings)",
-        "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) |",
-        "|---:|---:|---:|---:|",
+        "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) | 8-bit, bf16 masters in place (GB) |",
+        "|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['world_size']} | {r['adam32_gb']:.2f} | {r['adam8_gb']:.2f} | {r['saved_gb']:.2f} |")
+        lines.append(f"| {r['world_size']} | {r['adam32_gb']:.2f} | {r['adam8_gb']:.2f} | {r['saved_gb']:.2f} | "
+                     f"{r['adam8_inplace_gb']:.2f} |")
     return "\n".join(lines)
 
 
