@@ -31,7 +31,7 @@ demo: $(STAMP)
 	@echo "plot:   out/compare/loss.png"
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=40 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not multirank" tests
