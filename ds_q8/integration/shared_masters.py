@@ -91,9 +91,10 @@ def share_masters(wrapper) -> int:
 
 
 def order_gradients(wrapper) -> bool:
-    """Lay out the contiguous gradient buffer in partition order (see the module's text); False where
-    DeepSpeed's own order stays (offload, fp32 masters or accumulation, padded round-robin groups)."""
-    if not _eligible(wrapper) or not getattr(wrapper, "contiguous_gradients", False):
+    """Lay out the contiguous gradient buffer in partition order (see the module's text), for a wrapper
+    whose masters :func:`share_masters` shared; False where DeepSpeed's own order stays (no contiguous
+    gradients, fp32 accumulation, padded round-robin groups)."""
+    if not getattr(wrapper, "contiguous_gradients", False):
         return False
     groups = range(len(wrapper.bit16_groups))
     if any(any(wrapper.round_robin_bit16_padding[i]) or wrapper._use_compact_grad_partition_buffer(i) for i in groups):
@@ -121,9 +122,7 @@ def _copy_grads_in_partition(original):
     its partition where :func:`order_gradients` laid one out (at the next free place otherwise)."""
     def copy_grads_in_partition(self, param, group_idx=None):
         layout = getattr(self, _LAYOUT, None)
-        if group_idx is None:
-            group_idx = self._get_param_group_idx(param)
-        if layout is None or self.cpu_offload or self._use_compact_grad_partition_buffer(group_idx):
+        if layout is None:  # laid out only without offload and compact fp32 buffers (order_gradients)
             return original(self, param, group_idx)
         if self.grads_in_partition is None:
             buf = torch.empty(layout.total, dtype=self.dtype, device=param.device)
@@ -163,7 +162,7 @@ def _flat_view(tensors, layout: OrderedGrads, group: int):
 def _hand_preflattened(self, *args, **kwargs) -> None:
     """Before ZeRO-1/2's step: give each group's reduced gradients as one view (see :func:`_flat_view`)."""
     layout = getattr(self, _LAYOUT, None)
-    if layout is None or self.cpu_offload:
+    if layout is None:
         return
     for i, tensors in list(self.averaged_gradients.items()):
         if tensors is None or getattr(tensors, "flat_partition", None) is not None:
