@@ -25,7 +25,7 @@ def flow(tmp_path_factory):
     ck = str(work / "ckpt")
     c = config(2, bf16=MASTERS)
     a = launch([{"name": tag, "steps": SAVE_AT + MORE, "save": [ck, tag, SAVE_AT], "config": c, "hidden": HIDDEN,
-                 "share_masters": tag == "e"} for tag in ("e", "d")], work, "a_save", ranks=2)
+                 "share_masters": tag == "e", "model_states": True} for tag in ("e", "d")], work, "a_save", ranks=2)
     b = launch([{"name": "e", "steps": MORE, "start_step": SAVE_AT, "load": [ck, "e"], "config": c, "hidden": HIDDEN}],
                work, "b_resume", ranks=2)
     run_checked([sys.executable, "-m", "ds_q8.checkpoint", "to-universal", str(work / "ckpt" / "e"),
@@ -54,6 +54,12 @@ def test_checkpoints_hold_what_the_copying_layout_saves(flow):
                 assert torch.equal(torch.as_tensor(v), torch.as_tensor(sd[k][name])), name
     sizes = {t: sum((folder / t / OPTIM.format(r)).stat().st_size for r in range(2)) for t in ("e", "d")}
     assert abs(sizes["e"] - sizes["d"]) < 4096, sizes
+
+
+def test_the_two_layouts_really_differ(flow):
+    e, d = flow["a"]["e"]["model_states"], flow["a"]["d"]["model_states"]
+    assert e["masters"] == 0 and e["master_grads"] == 0  # saved from shared masters, gradient not copied
+    assert d["masters"] > 0 and d["master_grads"] > 0  # saved from DeepSpeed's copies
 
 
 def test_resume_is_bit_identical(flow):
