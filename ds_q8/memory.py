@@ -220,15 +220,18 @@ def measured_state_bytes(obj) -> Dict[str, int]:
 
 # ---------------------------------------------------------------------------- model states
 #: The memory ladder: ways to keep a model's training state under ZeRO-2 with bf16 parameters.
-#: (optimizer, bytes per element of the master weights, of the gradient handed to the optimizer
-#: beside the reduced one, of each Adam moment)
+#: (label, optimizer, bytes per element of the master weights, of the gradient handed to the optimizer
+#: beside the reduced one, of each Adam moment (None: ds_q8's 8-bit state), of the masters' correction
+#: byte)
 LADDER = {
-    "a": ("DeepSpeed Adam, bf16 mixed precision (fp32 masters, fp32 moments)", "Adam", 4, 4, 4),
-    "b": ("DeepSpeed Adam, bf16 masters and bf16 moments", "Adam", 2, 2, 2),
-    "c": ("ds_q8 Adam8bitBlock, fp32 masters", "Adam8bitBlock", 4, 4, None),
+    "a": ("DeepSpeed Adam, bf16 mixed precision (fp32 masters, fp32 moments)", "Adam", 4, 4, 4, 0),
+    "b": ("DeepSpeed Adam, bf16 masters and bf16 moments", "Adam", 2, 2, 2, 0),
+    "c": ("ds_q8 Adam8bitBlock, fp32 masters", "Adam8bitBlock", 4, 4, None, 0),
     "d": ("ds_q8 Adam8bitBlock, bf16 masters copied as DeepSpeed copies them (before 0.3)", "Adam8bitBlock", 2, 2,
-          None),
-    "e": ("ds_q8 Adam8bitBlock, bf16 masters: the parameters themselves, no copies", "Adam8bitBlock", 0, 0, None),
+          None, 0),
+    "e": ("ds_q8 Adam8bitBlock, bf16 masters: the parameters themselves, no copies", "Adam8bitBlock", 0, 0, None, 0),
+    "f": ("ds_q8 Adam8bitBlock, bf16 masters in place with a correction byte (24-bit masters)", "Adam8bitBlock", 0,
+          0, None, 1),
 }
 MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_states")
 
@@ -246,17 +249,18 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
       is a copy of the reduced gradients: it lives during the step, one group at a time, all of it
       when one group holds most parameters;
     * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state
-      (``group_bits``: 32 for a group kept in fp32, such as ``ds_q8.param_groups``'s embeddings).
+      (``group_bits``: 32 for a group kept in fp32, such as ``ds_q8.param_groups``'s embeddings), and
+      with ``correction_byte=True`` (rung f) one byte per padded element of the masters.
     """
     if rung not in LADDER:
         raise ValueError(f"rung must be one of {sorted(LADDER)}, got {rung!r}")
-    _, optimizer, master, master_grad, moment = LADDER[rung]
+    _, optimizer, master, master_grad, moment, correction = LADDER[rung]
     sizes = [sum(int(n) for n in g) for g in groups]
     padded = sum(math.ceil(n / 2) * 2 for n in sizes)
     total = sum(sizes)
     states = (2 * moment * padded if moment is not None else
               estimate_state_bytes(groups, 2, 1, optimizer, block_size=block_size, min_8bit_size=min_8bit_size,
-                                   group_bits=group_bits))
+                                   group_bits=group_bits)) + correction * padded
     return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master_grad * padded,
                 optimizer_states=states)
 

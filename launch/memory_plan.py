@@ -7,7 +7,10 @@ rest, K bytes per parameter, over the N data-parallel ranks:
                (one bfloat16 maximum per block and moment)
   8-bit Adam, bf16 masters stepped in place (``bf16_master_weights_and_grads``, the memory ladder's
                rung (e)): K = 0 + 2.0625: the masters are the bf16 weights themselves
-Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 (K = 8 in place).
+  8-bit Adam, in place with a correction byte (``correction_byte``, rung (f), 24-bit masters):
+               K = 1 + 2.0625
+Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K = 12 (K = 8 in place,
+9 with the correction byte).
 Activations, temporaries and communication buffers come on top and depend on batch and context.
 
 Run ``python launch/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device).
@@ -25,8 +28,8 @@ BF16_WEIGHT_AND_GRAD = 2 + 2
 
 
 def optimizer_bytes_per_param(optim_bits: int, block_size: int = DEFAULT_BLOCK_SIZE, master_bytes: int = 4) -> float:
-    """K: the master copy (``master_bytes``: 4 for fp32, 0 where the bf16 weights are the masters) plus both
-    Adam moments, per parameter (moments as ds_q8.memory counts them)."""
+    """K: the master copy (``master_bytes``: 4 for fp32, 0 where the bf16 weights are the masters, 1 for
+    their correction byte) plus both Adam moments, per parameter (moments as ds_q8.memory counts them)."""
     if optim_bits not in (8, 32):
         raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits!r}")
     # one full block, so its absmax is counted exactly once
@@ -53,8 +56,9 @@ def plan(n_params: int, n_params_32bit: int, world_sizes=(1, 8, 64), block_size:
         b32 = model_state_bytes(n_params, n, 32)
         b8 = model_state_bytes(n_params, n, 8, n_params_32bit, block_size)
         e = model_state_bytes(n_params, n, 8, n_params_32bit, block_size, master_bytes=0)
+        f = model_state_bytes(n_params, n, 8, n_params_32bit, block_size, master_bytes=1)
         rows.append(dict(world_size=n, adam32_gb=b32 / GB, adam8_gb=b8 / GB, saved_gb=(b32 - b8) / GB,
-                         adam8_inplace_gb=e / GB))
+                         adam8_inplace_gb=e / GB, adam8_corrected_gb=f / GB))
     return rows
 
 
@@ -62,12 +66,13 @@ def format_plan(n_params: int, n_params_32bit: int, rows: List[Dict]) -> str:
     lines = [
         f"model states per rank, ZeRO-2 + bf16, {n_params:,} = {n_params / 1e9:.4f}e9 params "
         f"({n_params_32bit / 1e6:.1f}M kept 32-bit as embeddings)",
-        "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) | 8-bit, bf16 masters in place (GB) |",
-        "|---:|---:|---:|---:|---:|",
+        "| world size | 32-bit Adam (GB) | 8-bit Adam (GB) | saved (GB) | 8-bit, bf16 masters in place (GB) "
+        "| and a correction byte (GB) |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(f"| {r['world_size']} | {r['adam32_gb']:.2f} | {r['adam8_gb']:.2f} | {r['saved_gb']:.2f} | "
-                     f"{r['adam8_inplace_gb']:.2f} |")
+                     f"{r['adam8_inplace_gb']:.2f} | {r['adam8_corrected_gb']:.2f} |")
     return "\n".join(lines)
 
 

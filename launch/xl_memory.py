@@ -1,6 +1,6 @@
 """GPT-2 1.5B at full depth on this machine: which rungs of the memory ladder fit, measured.
 
-    python launch/xl_memory.py                  # rungs (e), (d) and (b), 3 steps each, a table at the end
+    python launch/xl_memory.py                  # rungs (e), (f), (d) and (b), 3 steps each, a table at the end
     python launch/xl_memory.py --rungs d b c    # also (c); a rung whose run is killed is reported so
 
 For each rung this runs, at world size 1 on the CPU,
@@ -15,7 +15,8 @@ evaluation), its losses and seconds per step, and whether it fits in this machin
 Rungs (``ds_q8.memory.LADDER``): (a) DeepSpeed Adam with fp32 masters and moments, (b) DeepSpeed
 Adam with bf16 masters and moments, (c) ds_q8 8-bit with fp32 masters, (d) ds_q8 8-bit with bf16
 masters and stochastic rounding, copied as DeepSpeed copies them (``--copy_bf16_masters``), (e) the same
-config as (d) as users run it: the optimizer steps the bf16 parameters themselves.
+config as (d) as users run it: the optimizer steps the bf16 parameters themselves, (f) as (e) with a
+correction byte per master (``correction_byte``: 24-bit masters, written to nearest).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ CONFIGS = {
     "c": "gpt2_xl_8bit_zero2.json",
     "d": "gpt2_xl_8bit_bf16master_zero2.json",
     "e": "gpt2_xl_8bit_bf16master_zero2.json",
+    "f": "gpt2_xl_8bit_bf16master_correction_zero2.json",
 }
 EXTRA = {"d": ["--copy_bf16_masters"]}  # the same config, with DeepSpeed's copies
 
@@ -94,7 +96,7 @@ def memory_total() -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rungs", nargs="+", default=["e", "d", "b"], choices=sorted(CONFIGS))
+    ap.add_argument("--rungs", nargs="+", default=["e", "f", "d", "b"], choices=sorted(CONFIGS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--out", default=str(REPO / "out" / "xl"))

@@ -41,6 +41,7 @@ INVALID = {
     "nesterov": [(1, "nesterov must be True or False")],
     "stochastic_rounding": [("yes", "stochastic_rounding must be true, false or null"),
                             (1, "stochastic_rounding must be true, false or null")],
+    "correction_byte": [("yes", "correction_byte must be true or false"), (1, "correction_byte must be true or false")],
     "state_rounding": [("up", "state_rounding must be one of ('stochastic', 'nearest')"),
                        (None, "state_rounding must be one of")],
     "impl": [("cuda", "impl must be one of ('auto', 'kernel', 'reference')"), (None, "impl must be one of")],

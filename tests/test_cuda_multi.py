@@ -1,4 +1,4 @@
-"""The CUDA op's list steps: step_many (one launch per 36 tensors) with its device skip flag, and
+"""The CUDA op's list steps: step_many (one launch per 32 tensors) with its device skip flag, and
 step_fp32_many (float32 states), bit-identical to the pure-PyTorch reference on the same GPU; offset
 views whose pointers are only 8-, 4- or 2-byte aligned. All but the lookup-cache test need a CUDA GPU."""
 import pytest

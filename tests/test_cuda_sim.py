@@ -129,8 +129,21 @@ def test_rounding_choices(sim, dtype, options):
     assert_same(kernel, reference, str(options))
 
 
+@pytest.mark.parametrize("states", ["8-bit", "fp32"])
+@pytest.mark.parametrize("grad", ["bf16", "bf16-fp32grad"])
+def test_correction_bytes(sim, grad, states):
+    """correction_byte=True: bf16 parameters read and written as 24-bit values with their bytes
+    (q8_bf16_join / q8_bf16_split), in both kernels; the bytes are state and compared too."""
+    dtype, grad_dtype = DTYPE_PAIRS[grad]
+    options = dict(correction_byte=True, min_8bit_size=0 if states == "8-bit" else 10 ** 9)
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, grad_dtype, steps=3, **options)
+    pk, ok = kernel
+    assert all(ok.state[p]["correction"].any() for p in pk if p.numel() > 7)
+    assert_same(kernel, reference, f"correction bytes {grad} {states}")
+
+
 def test_lists_longer_than_one_launch(sim):
-    """40 tensors: two launches per step (36 tensors each at most), each CTA finding its tensor."""
+    """40 tensors: two launches per step (32 tensors each at most), each CTA finding its tensor."""
     sizes = [1 + (37 * i) % 700 for i in range(40)]
     before = launches(sim)
     kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes, torch.float32, steps=2)

@@ -22,6 +22,7 @@ RUNGS = {  # rung -> DeepSpeed config of the tiny model
     "c": config(2, bf16=BF16),
     "d": config(2, bf16=MASTERS),  # run with DeepSpeed's copies (share_masters: False)
     "e": config(2, bf16=MASTERS),  # the same config as users write it
+    "f": config(2, bf16=MASTERS, opt_params={"correction_byte": True}),  # and a correction byte per master
 }
 
 
@@ -43,7 +44,7 @@ def test_prediction_matches_the_live_engine(engines, rung):
 def test_rungs_in_order_for_gpt2_xl():
     rows = {r["rung"]: r for r in ladder_table(gpt2_param_groups(48, 1600))}
     per = {k: round(v["per_param"], 3) for k, v in rows.items()}
-    assert per == {"a": 20.0, "b": 12.0, "c": 14.064, "d": 10.064, "e": 6.064}
+    assert per == {"a": 20.0, "b": 12.0, "c": 14.064, "d": 10.064, "e": 6.064, "f": 7.064}
     assert set(rows) == set(LADDER)
 
 
@@ -68,6 +69,9 @@ GPT2_512 = config(2, bf16=MASTERS, gradient_accumulation_steps=1,
 def gpt2_engines(tmp_path_factory):
     jobs = [{"name": name, "steps": 3, "reachable": True, "gpt2": [4, 512], "config": GPT2_512,
              "share_masters": name == "e"} for name in ("e", "d")]
+    jobs.append({"name": "f", "steps": 3, "reachable": True, "gpt2": [4, 512],
+                 "config": config(2, bf16=MASTERS, gradient_accumulation_steps=1,
+                                  opt_params={"block_size": 64, "min_8bit_size": 4096, "correction_byte": True})})
     return launch(jobs, tmp_path_factory.mktemp("gpt2_512"), "gpt2_512", ranks=1, timeout=600)
 
 
@@ -82,6 +86,18 @@ def test_gpt2_model_states_peak_at_six_bytes_per_parameter(gpt2_engines):
         assert e["reachable"][when] / n <= 6.1, (when, e["reachable"][when] / n)
         assert d["reachable"][when] / n >= 8.0, (when, d["reachable"][when] / n)  # the count sees a copy
     assert e["losses"] == d["losses"] and e["params_bits"] == d["params_bits"]
+
+
+def test_gpt2_model_states_with_a_correction_byte_peak_at_seven(gpt2_engines):
+    """Rung (f): the same engine with ``correction_byte=True`` holds one byte more per parameter (the
+    masters' correction, kept as optimizer state), and trains differently from stochastic rounding."""
+    e, f = gpt2_engines["e"], gpt2_engines["f"]
+    n = sum(f["param_sizes"])
+    for when in ("after_backward", "during_step"):
+        assert 6.9 <= f["reachable"][when] / n <= 7.1, (when, f["reachable"][when] / n)
+        assert abs((f["reachable"][when] - e["reachable"][when]) / n - 1.0) < 0.01
+    assert f["state_dtypes"]["correction"] == ["int8"]
+    assert f["params_bits"] != e["params_bits"] and f["losses"][-1] < f["losses"][0]
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -166,6 +166,8 @@ def test_memory_plan_matches_the_zero2_formula():
     assert rows[1]["saved_gb"] > rows[8]["saved_gb"] > rows[64]["saved_gb"] > 0
     # bf16 masters stepped in place: no master, K = 2 + 4/64 (8-bit) and 8 (the 32-bit embeddings)
     assert rows[8]["adam8_inplace_gb"] == pytest.approx((n * 4 + ((n - emb) * (2 + 4 / 64) + emb * 8) / 8) / 1e9)
+    # and a correction byte per master: one byte more per parameter, sharded
+    assert rows[8]["adam8_corrected_gb"] == pytest.approx((n * 4 + ((n - emb) * (3 + 4 / 64) + emb * 9) / 8) / 1e9)
     with pytest.raises(ValueError, match="world_size"):
         memory_plan.model_state_bytes(n, 0, 8)
     with pytest.raises(ValueError, match="optim_bits"):

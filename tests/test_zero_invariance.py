@@ -39,6 +39,7 @@ FP32 = [(o, s) for o in ELEMENTWISE for s in (0, 1, 2, 3)]
 BF16 = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]
 TRUST = [(o, s) for o in ("LAMB8bitBlock", "LARS8bitBlock") for s in (0, 1, 2, 3)]
 BF16_MASTER = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]  # stochastic rounding on
+CORRECTED = [("Adam8bitBlock", s) for s in (1, 2, 3)]  # bf16 masters with correction_byte=True
 RESHARD = [(2, 1), (1, 2), (2, 3), (2, 4)]
 
 
@@ -51,12 +52,18 @@ def _plan(world, ck):
     jobs += [_job(f"bf16_{o}_s{s}", o, s, STEPS, bf16=True) for o, s in BF16]
     jobs += [_job(f"trust_{o}_s{s}", o, s, TRUST_STEPS) for o, s in TRUST]
     jobs += [_job(f"bf16m_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True) for o, s in BF16_MASTER]
+    jobs += [_job(f"bf16c_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True, correction=True) for o, s in CORRECTED]
     if world == 2:
         jobs.append(_job("save2_bf16m_s2", "Adam8bitBlock", 2, SAVE_AT, bf16=True, bf16_master=True,
                          save=[ck, "w2_bf16m_s2"]))
+        jobs.append(_job("save2_bf16c_s2", "Adam8bitBlock", 2, SAVE_AT, bf16=True, bf16_master=True,
+                         correction=True, save=[ck, "w2_bf16c_s2"]))
     if world == 3:
         jobs.append(_job("resume2to3_bf16m_s2", "Adam8bitBlock", 2, STEPS - SAVE_AT, start_step=SAVE_AT,
                          bf16=True, bf16_master=True, universal=True, load=[ck, "w2_bf16m_s2_universal"]))
+        jobs.append(_job("resume2to3_bf16c_s3", "Adam8bitBlock", 3, STEPS - SAVE_AT, start_step=SAVE_AT,
+                         bf16=True, bf16_master=True, correction=True, universal=True,
+                         load=[ck, "w2_bf16c_s2_universal"]))
     for stage in (2, 3):
         if world in (1, 2):
             jobs.append(_job(f"save{world}_s{stage}", "Adam8bitBlock", stage, SAVE_AT,
@@ -100,7 +107,7 @@ def runs(tmp_path_factory):
                      for j in plain_jobs}}
     for world in (1, 2, 3, 4):
         if world == 3:
-            for tag in ("w2_s2", "w2_s3", "w2_bf16m_s2"):
+            for tag in ("w2_s2", "w2_s3", "w2_bf16m_s2", "w2_bf16c_s2"):
                 _convert(ck, tag, work)
         out[world] = _launch(_plan(world, str(ck)), work, f"w{world}", world)
         if world == 1:
@@ -217,4 +224,27 @@ def test_bf16_master_weights_identical_across_stages_and_world_sizes(runs, opt):
 
 def test_bf16_master_resume_at_another_world_size_is_bit_identical(runs):
     bad, dp, ds = _differences(runs[2]["bf16m_Adam8bitBlock_s2"], runs[3]["resume2to3_bf16m_s2"])
+    assert not bad, f"differ: {bad} (params by {dp}, state by {ds})"
+
+
+def test_correction_bytes_identical_across_stages_and_world_sizes(runs):
+    """bf16 masters with a correction byte (24-bit masters): written to nearest, element by element,
+    so the masters, the bytes (which drive every later step) and the 8-bit state do not depend on
+    the partitioning; and they move differently from stochastically rounded masters."""
+    ref = runs[1]["bf16c_Adam8bitBlock_s1"]
+    for world in WORLDS:
+        for stage in (1, 2, 3):
+            bad, dp, ds = _differences(ref, runs[world][f"bf16c_Adam8bitBlock_s{stage}"])
+            assert not bad, f"{world} ranks, stage {stage}: {bad} (params by {dp}, state by {ds})"
+    assert _differences(ref, runs[1]["bf16m_Adam8bitBlock_s1"])[0]
+
+
+def test_correction_bytes_travel_through_universal_checkpoints(runs):
+    """Saved at 2 ranks (ZeRO-2), converted, resumed at 3 ranks (ZeRO-3): the bytes go with each
+    parameter (the ds_q8 folder), and the resumed run ends where the uninterrupted one does."""
+    ck = runs["ckpt"]
+    saved = torch.load(ck / "w2_bf16c_s2_universal" / "ds_q8" / "w4.pt", weights_only=True)
+    assert saved["correction"].dtype == torch.int8 and saved["correction"].numel() == 77 * 51
+    assert bool(saved["correction"].any())
+    bad, dp, ds = _differences(runs[2]["bf16c_Adam8bitBlock_s2"], runs[3]["resume2to3_bf16c_s3"])
     assert not bad, f"differ: {bad} (params by {dp}, state by {ds})"

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import functional as F
-from ..optim.qstate import QuantizedState, has_storage
+from ..optim.qstate import CORRECTION_KEY, QuantizedState, has_storage
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
 
@@ -70,6 +70,7 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     cls = optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
     for pid, st in out["state"].items():
+        st.pop(CORRECTION_KEY, None)  # travels in the ds_q8 folder, per parameter (ParamCodes)
         # each entry's own states (a Muon matrix has one, its optimizer's AdamW entries two)
         own, _ = states_of_entry(marker, pid, cls.state_names, cls.state_signed)
         names = [n for n in universal_names_for(own) if n is not None]
@@ -96,10 +97,14 @@ class ParamCodes:
         else:
             self.values = [torch.zeros(numel, dtype=torch.float32) for _ in range(k)]
         self.covered = torch.zeros(numel, dtype=torch.bool)
+        #: the bf16 master's correction bytes (``correction_byte=True``), or None
+        self.correction: Optional[torch.Tensor] = None
 
     def payload(self) -> dict:
         out = {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
                "state_names": self.state_names, "eight_bit": self.eight_bit}
+        if self.correction is not None:
+            out[CORRECTION_KEY] = self.correction
         if self.eight_bit:
             out.update(codes=self.codes, absmax=self.absmax)
         else:
@@ -138,6 +143,11 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
             elif entry.state_names != list(names):
                 raise ValueError(f"{path}: parameter {seg.name} has states {list(names)} here and "
                                  f"{entry.state_names} in another rank's file: the files are not of one checkpoint")
+            corr = st.get(CORRECTION_KEY)
+            if corr is not None:
+                if entry.correction is None:
+                    entry.correction = torch.zeros(seg.param_numel, dtype=torch.int8)
+                entry.correction[seg.param_start:seg.param_end] = corr.reshape(-1)[seg.start:seg.end]
             for i in range(k):
                 if seg.eight_bit:
                     entry.codes[i][seg.param_start:seg.param_end] = codes[i]

@@ -26,7 +26,7 @@ import torch
 
 from .. import functional as F
 from . import nonfinite as NF
-from . import rounding, state_io, telemetry
+from . import qstate, rounding, state_io, telemetry
 from . import step as S
 from .checks import check_common_group, check_optimizer_kwargs
 from .layout import StateLayout
@@ -40,7 +40,7 @@ OPTIM_BITS_ATTR = "ds_q8_optim_bits"
 #: the others are each group's)
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
                quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
-               impl="auto", nonfinite="skip")
+               correction_byte=False, impl="auto", nonfinite="skip")
 
 
 def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> bool:
@@ -385,6 +385,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         for group, p in work:
             self._adopt_fp32_state(p, self.state[p], group=group)
             qs = self.quantized_state(p, group)
+            self._match_correction(qs.entry, group, p)
             step_t = qs.entry["step"]
             if not torch.is_tensor(step_t):  # an int written by a loader
                 step_t = qs.entry["step"] = torch.tensor(float(step_t))
@@ -408,6 +409,17 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if flag is not None:
             self._pending_skips.add(flag, counters)
         return loss
+
+    @staticmethod
+    def _match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
+        """Give a bf16 tensor its correction bytes when its group asks for them (zeros: the master is
+        exactly the bf16 value, as after a load from a checkpoint without them), and drop bytes that a
+        group without the option would leave stale."""
+        if S.corrected(group, p.dtype):
+            if qstate.CORRECTION_KEY not in entry:
+                entry[qstate.CORRECTION_KEY] = torch.zeros(p.numel(), dtype=torch.int8, device=p.device)
+        else:
+            entry.pop(qstate.CORRECTION_KEY, None)
 
     def settle(self) -> None:
         """Take in the skip decisions of earlier CUDA steps (see ``optim/nonfinite.py``): a skipped
@@ -543,6 +555,13 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         qs = self._create_state(p)
         qs.entry["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
         qs.restore_params(saved)
+        if S.corrected(self._state_group(p), p.dtype):  # the bytes saved with each parameter, else zeros
+            corr = torch.zeros(p.numel(), dtype=torch.int8)
+            for seg in qs.layout.segments:
+                have = saved.get(seg.name, {}).get(qstate.CORRECTION_KEY) if seg.numel else None
+                if have is not None:
+                    corr[seg.start:seg.end] = have.reshape(-1)[seg.param_start:seg.param_end]
+            qs.entry[qstate.CORRECTION_KEY] = corr.to(p.device)
 
 
 __all__ = ["Optimizer8bitBlock", "OPTIONS", "uses_8bit", "OPTIM_BITS_ATTR"]

@@ -54,6 +54,14 @@ def check_common_group(group: dict) -> None:
     if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
         raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
                          f"got {group['stochastic_rounding']!r}")
+    correction = group.get("correction_byte", False)
+    if not isinstance(correction, bool):
+        raise ValueError(f"correction_byte must be true or false (an int8 of each bf16 parameter's rounding residue: "
+                         f"24-bit masters), got {correction!r}")
+    if correction and group["stochastic_rounding"] is True:
+        raise ValueError("correction_byte=true keeps what rounding to bf16 drops and writes bf16 parameters to "
+                         "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
+                         "null or false)")
     if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
         raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how second moments are requantized: "
                          f"right on average, or to the nearest code), got {group.get('state_rounding')!r}")

@@ -47,9 +47,14 @@ def fp32_key(i: int) -> str:
     return f"state{i + 1}_fp32"
 
 
+#: key of a bf16 tensor's correction bytes (``correction_byte=True``): int8, one per element of the
+#: optimized tensor (a ZeRO partition's, padding included), saved and partitioned like the parameter
+CORRECTION_KEY = "correction"
+
+
 def storage_keys(num_states: int) -> frozenset:
     """Every key a state entry of ``num_states`` states may hold."""
-    keys = {"step"}
+    keys = {"step", CORRECTION_KEY}
     for i in range(num_states):
         keys |= {codes_key(i), absmax_key(i), fp32_key(i)}
     return frozenset(keys)
@@ -347,6 +352,11 @@ class QuantizedState:
         dtypes, finite values); ``what`` names the tensor, ``owner`` the optimizer class."""
         layout = self.layout
         codes_shape, fp32_shape = layout.state_shapes()
+        corr = st.get(CORRECTION_KEY)
+        if corr is not None and (not torch.is_tensor(corr) or corr.dtype != torch.int8 or corr.numel() != layout.numel):
+            got = f"{corr.numel()} elements of {corr.dtype}" if torch.is_tensor(corr) else type(corr).__name__
+            raise ValueError(f"checkpoint {CORRECTION_KEY} of {what} has {got}; the tensor needs {layout.numel} of "
+                             "torch.int8: the checkpoint belongs to another model or partitioning")
         for i in range(self.num_states):
             for key, want, dtype in ((codes_key(i), codes_shape if layout.has8 else None, torch.uint8),
                                      (absmax_key(i), (layout.num_blocks,) if layout.has8 else None, F.ABSMAX_DTYPE),
@@ -382,5 +392,5 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["QuantizedState", "codes_key", "absmax_key", "fp32_key", "storage_keys", "is_8bit", "has_storage",
+__all__ = ["CORRECTION_KEY", "QuantizedState", "codes_key", "absmax_key", "fp32_key", "storage_keys", "is_8bit", "has_storage",
            "CHUNK"]

@@ -116,5 +116,37 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, key: Union[int, torch.
     return x.to(dtype)
 
 
-__all__ = ["mix32", "step_key", "sr_key", "state_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
+# ---------------------------------------------------------------------------- the correction byte
+# With ``correction_byte=True`` a bf16 parameter keeps, beside its 16 bits, a signed byte of what
+# rounding to bf16 dropped: together they are a 24-bit float (fp32 with the low 8 mantissa bits zero),
+# so that an update of down to 1/256 of a bf16 unit is kept, deterministically. In bit patterns: the
+# 24-bit value's pattern is ``(b << 16) + (c << 8)``, where ``b`` is the bf16 pattern and ``c`` in
+# [-128, 127] the byte (``c`` counts toward larger magnitude for either sign, as patterns do). Splitting
+# an fp32 value rounds its pattern to a multiple of 2^8 and then to a multiple of 2^16, each half away
+# from zero in magnitude, with integer additions: the CPU and CUDA kernels (``q8_bf16_split`` and
+# ``q8_bf16_join`` in ``csrc/includes/q8_common.h``) do the same operations. Inf and NaN keep a zero byte.
+
+def split_bf16(x: torch.Tensor):
+    """float32 ``x`` as (bfloat16, int8 correction): the 24-bit value nearest ``x``, split."""
+    u = _bits_of(x)
+    special = (u & 0x7F800000) == 0x7F800000
+    r = (u + 0x80) & 0xFFFFFF00  # the 24-bit pattern (a carry into the exponent rounds up a binade)
+    b = (r + 0x8000) >> 16
+    c = (r - (b << 16)) >> 8  # in [-128, 127]; an arithmetic shift of a signed int64
+    b = torch.where(special, x.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF, b)
+    c = torch.where(special | ((b & 0x7F80) == 0x7F80), torch.zeros_like(c), c)
+    b = torch.where(b >= 1 << 15, b - (1 << 16), b).to(torch.int16).view(torch.bfloat16)
+    return b, c.to(torch.int8)
+
+
+def join_bf16(b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """The float32 value of bfloat16 ``b`` with its int8 correction ``c`` (Inf and NaN as they are)."""
+    top = (b.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF) << 16
+    special = (top & 0x7F800000) == 0x7F800000
+    u = torch.where(special, top, top + (c.to(torch.int64) << 8))
+    u = torch.where(u >= 1 << 31, u - (1 << 32), u).to(torch.int32)
+    return u.view(torch.float32)
+
+
+__all__ = ["split_bf16", "join_bf16", "mix32", "step_key", "sr_key", "state_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
            "to_fp16_stochastic"]

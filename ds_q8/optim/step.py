@@ -50,12 +50,14 @@ Rounding = Tuple[int, int]
 
 
 class Item8(NamedTuple):
-    """An 8-bit piece for the kernels: it starts a block of its parameter."""
+    """An 8-bit piece for the kernels: it starts a block of its parameter. ``correction``: the piece's
+    correction bytes (a bf16 parameter with ``correction_byte=True``), else None."""
     param: torch.Tensor
     grad: torch.Tensor
     codes: Tuple[torch.Tensor, ...]
     absmax: Tuple[torch.Tensor, ...]
     rounding: Optional[Rounding]
+    correction: Optional[torch.Tensor] = None
 
 
 class Item32(NamedTuple):
@@ -64,6 +66,7 @@ class Item32(NamedTuple):
     grad: torch.Tensor
     states: Tuple[torch.Tensor, ...]
     rounding: Optional[Rounding]
+    correction: Optional[torch.Tensor] = None
 
 
 class TensorStep(NamedTuple):
@@ -88,9 +91,26 @@ def group_impl(group: dict) -> str:
     return group.get("impl", "auto")
 
 
+def corrected(group: dict, dtype: torch.dtype) -> bool:
+    """Whether a parameter of ``dtype`` keeps a correction byte (``correction_byte=True``, bf16 only):
+    then it is written to nearest as a 24-bit value (``rounding.split_bf16``), never stochastically."""
+    return dtype == torch.bfloat16 and bool(group.get("correction_byte", False))
+
+
+def correction_of(t: "TensorStep") -> Optional[torch.Tensor]:
+    """The flat correction bytes of a tensor step, or None."""
+    if not corrected(t.group, t.param.dtype):
+        return None
+    c = t.state.entry.get(qstate.CORRECTION_KEY)
+    if c is None:
+        raise RuntimeError("correction_byte=True but the tensor's state has no correction bytes")
+    return c.view(-1)
+
+
 def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
-    """Whether a parameter of ``dtype`` is written with stochastic rounding (on by default for 16-bit)."""
-    if dtype not in (torch.bfloat16, torch.float16):
+    """Whether a parameter of ``dtype`` is written with stochastic rounding (on by default for 16-bit,
+    off where a correction byte keeps what rounding drops)."""
+    if dtype not in (torch.bfloat16, torch.float16) or corrected(group, dtype):
         return False
     choice = group.get("stochastic_rounding")
     return True if choice is None else bool(choice)
@@ -168,6 +188,7 @@ def _matrix_pass(rule: Rule, t: TensorStep, held: List[torch.Tensor]) -> None:
     directions the fp32 scratch is freed once quantized, and each matrix is dequantized in turn."""
     layout, group, h = t.state.layout, t.group, t.hyper
     pf = layout.param_views(t.param)
+    corr = correction_of(t)
     d = held.pop()
     if h.get("direction_bits", 32.0) == 8.0:
         whole = _directions_8bit(layout, group, d)
@@ -184,15 +205,16 @@ def _matrix_pass(rule: Rule, t: TensorStep, held: List[torch.Tensor]) -> None:
         full = full() if callable(full) else full
         o = rule.matrix(full.view(shape), h).reshape(-1)[seg.param_start:seg.param_end]
         dst = pf[seg.start:seg.end]
+        c = None if corr is None else corr[seg.start:seg.end]
         if dst.dtype == torch.float32:
             rule.apply(dst, o, h)
         else:
-            p32 = dst.to(torch.float32)
+            p32 = read_param(dst, c)
             rule.apply(p32, o, h)
             sr = None
             if t.sr_step is not None and stochastic_params(group, dst.dtype):
                 sr = (rounding.sr_key(t.sr_step, layout.group_index, seg.param_index), seg.param_start)
-            write_param(dst, p32, sr)
+            write_param(dst, p32, sr, correction=c)
         del o, full
 
 
@@ -372,27 +394,29 @@ class _Plan:
             keys = [rounding.sr_key(t.sr_step, layout.group_index, seg.param_index) for seg in layout.segments]
         keys32 = keys if stochastic_params(group, t.param.dtype) else None
         qs = t.state
+        corr = correction_of(t)
         if seg_hyper is None and layout.whole8:
-            item = Item8(t.param, t.grad, qs.stored(codes_key), tuple(qs.absmax()), keys and (keys[0], 0))
+            item = Item8(t.param, t.grad, qs.stored(codes_key), tuple(qs.absmax()), keys and (keys[0], 0), corr)
             self._bucket(self.eight, group, h).append(item)
             if t.sums is not None:
                 self.sums_of[id(item)] = t.sums[0]
         elif seg_hyper is None and layout.whole32:
             self._bucket(self.fp32, group, h).append(
-                Item32(t.param, t.grad, qs.stored(fp32_key), keys32 and (keys32[0], 0)))
+                Item32(t.param, t.grad, qs.stored(fp32_key), keys32 and (keys32[0], 0), corr))
         else:
-            self._add_pieces(t, h, seg_hyper, keys, keys32)
+            self._add_pieces(t, h, seg_hyper, keys, keys32, corr)
         if layout.sharded:
             entry = self.shared.get(id(layout.comm))
             if entry is None:
                 entry = self.shared[id(layout.comm)] = (layout.comm, [])
             entry[1].append((t, h, seg_hyper, keys))
 
-    def _add_pieces(self, t: TensorStep, h, seg_hyper, keys, keys32) -> None:
+    def _add_pieces(self, t: TensorStep, h, seg_hyper, keys, keys32, corr) -> None:
         layout, group = t.state.layout, t.group
         sizes, at8, at32, _ = layout.splits()
         pv = layout.param_views(t.param).split(sizes)
         gv = t.grad.view(-1).split(sizes)
+        cv = (None,) * len(sizes) if corr is None else corr.split(sizes)
 
         def rounding_of(piece, which=keys):
             return None if which is None else (which[piece.segment], layout.piece_param_start(piece))
@@ -400,14 +424,15 @@ class _Plan:
         if layout.has8:
             for j, (piece, cs, am) in zip(at8, t.state.piece_views()):
                 hp = h if seg_hyper is None else seg_hyper[piece.segment]
-                item = Item8(pv[j], gv[j], cs, am, rounding_of(piece))
+                item = Item8(pv[j], gv[j], cs, am, rounding_of(piece), cv[j])
                 self._bucket(self.eight, group, hp).append(item)
                 if t.sums is not None:
                     self.sums_of[id(item)] = t.sums[piece.segment]
         if layout.has32:
             for j, (piece, states) in zip(at32, t.state.fp32_piece_views()):
                 hp = h if seg_hyper is None else seg_hyper[piece.segment]
-                self._bucket(self.fp32, group, hp).append(Item32(pv[j], gv[j], states, rounding_of(piece, keys32)))
+                self._bucket(self.fp32, group, hp).append(
+                    Item32(pv[j], gv[j], states, rounding_of(piece, keys32), cv[j]))
 
     def run(self) -> None:
         rule = self.rule
@@ -479,7 +504,8 @@ def _update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     elem, code_at, absmax_at, owner, slots, in_param = layout.shared_index(device, which)
     codes, absmax = qs.codes(), qs.absmax()
     pf, gf = layout.param_views(p), t.grad.view(-1)
-    p32 = pf.index_select(0, elem).to(torch.float32)
+    corr = correction_of(t)
+    p32 = read_param(pf.index_select(0, elem), None if corr is None else corr.index_select(0, elem))
     states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
               * absmax[i].index_select(0, absmax_at).to(torch.float32).index_select(0, owner) for i in range(k)]
     rule.update(p32, gf.index_select(0, elem).to(torch.float32), states, h)
@@ -487,7 +513,11 @@ def _update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
     if keys is not None:
         element_keys = [keys[pc.segment] for pc in pieces]
-    if element_keys is None or not stochastic_params(group, pf.dtype) or pf.dtype == torch.float32:
+    if corr is not None:
+        b, c = rounding.split_bf16(p32)
+        pf.index_copy_(0, elem, b)
+        corr.index_copy_(0, elem, c)
+    elif element_keys is None or not stochastic_params(group, pf.dtype) or pf.dtype == torch.float32:
         pf.index_copy_(0, elem, p32.to(pf.dtype))
     else:
         piece_keys = torch.tensor(element_keys, dtype=torch.int64, device=device)
@@ -539,9 +569,23 @@ def _midpoints(code: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- the reference path
-def write_param(dst: torch.Tensor, p32: torch.Tensor, sr: Optional[Rounding], offset: int = 0) -> None:
-    """Write fp32 values into a parameter (or its chunk): rounded to nearest, or stochastically with
-    ``sr = (key, index of dst's first element in its parameter)``."""
+def read_param(p: torch.Tensor, correction: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A parameter (or its chunk) as fp32: with its correction bytes, the 24-bit value they make."""
+    if correction is None:
+        return p.to(torch.float32)
+    return rounding.join_bf16(p.reshape(-1), correction.reshape(-1)).view(p.shape)
+
+
+def write_param(dst: torch.Tensor, p32: torch.Tensor, sr: Optional[Rounding], offset: int = 0,
+                correction: Optional[torch.Tensor] = None) -> None:
+    """Write fp32 values into a parameter (or its chunk): rounded to nearest, stochastically with
+    ``sr = (key, index of dst's first element in its parameter)``, or split into bf16 and its
+    ``correction`` bytes."""
+    if correction is not None:
+        b, c = rounding.split_bf16(p32.reshape(-1))
+        dst.copy_(b.view(dst.shape))
+        correction.copy_(c.view(correction.shape))
+        return
     if sr is None or dst.dtype == torch.float32:
         dst.copy_(p32.view(dst.shape))
         return
@@ -550,13 +594,13 @@ def write_param(dst: torch.Tensor, p32: torch.Tensor, sr: Optional[Rounding], of
 
 
 def reference_step_32bit(rule: Rule, item: Item32, group: dict, h) -> None:
-    p, grad, states, sr = item
+    p, grad, states, sr, corr = item
     if p.dtype == torch.float32:
         rule.update(p.data, grad.to(torch.float32), list(states), h)
     else:
-        p32 = p.data.to(torch.float32)
+        p32 = read_param(p.data, corr)
         rule.update(p32, grad.to(torch.float32), list(states), h)
-        write_param(p.data, p32, sr)
+        write_param(p.data, p32, sr, correction=corr)
 
 
 class BlockCodec(NamedTuple):
@@ -595,7 +639,7 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
     bits of stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
     :func:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error.
     ``codec`` (:func:`block_codec`) dequantizes and requantizes (to nearest) in the compiled kernels."""
-    p, grad, codes, absmax, sr = item
+    p, grad, codes, absmax, sr, corr = item
     bs = F.resolve_block_size(group["block_size"], p.numel())
     maps = maps_of(rule, group, p.device)
     state_keys = [rounding.state_key(sr[0], i) if sr is not None and on else None
@@ -611,7 +655,8 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         b0, b1 = start // bs, F.num_blocks(end, bs)
-        p32 = pf[start:end] if p.dtype == torch.float32 else pf[start:end].to(torch.float32)
+        corr_chunk = None if corr is None else corr.view(-1)[start:end]
+        p32 = pf[start:end] if p.dtype == torch.float32 else read_param(pf[start:end], corr_chunk)
         g32 = gf[start:end].to(torch.float32)
         dequantize = F.dequantize_flat if codec is None else codec.dequantize
         states = [dequantize(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
@@ -629,7 +674,7 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
             for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
                 telemetry.add_error(error_sums, i, F.dequantize_flat(c[start:end], a[b0:b1], m, bs), s)
         if p.dtype != torch.float32:
-            write_param(pf[start:end], p32, param_sr, start)
+            write_param(pf[start:end], p32, param_sr, start, correction=corr_chunk)
     if not in_place:
         p.data.copy_(pf.view(p.shape))
 
@@ -705,6 +750,16 @@ def _rounding_lists(items) -> Tuple[list, list]:
             [it.rounding[1] if it.rounding is not None else 0 for it in items])
 
 
+def _corrections(items) -> list:
+    """The kernels' corrections list for a batch: empty, or every item's bytes (a batch shares its
+    group and parameter dtype, which decide whether there are any)."""
+    if all(it.correction is None for it in items):
+        return []
+    if any(it.correction is None for it in items):
+        raise RuntimeError("a kernel batch mixes parameters with and without correction bytes")
+    return [it.correction for it in items]
+
+
 def _batches(items, strict: bool, rest: list, states_of=None) -> Dict[tuple, list]:
     """Items grouped by device and dtypes (one kernel call each); those no kernel takes go to ``rest``."""
     batches: Dict[tuple, list] = {}
@@ -752,7 +807,7 @@ def fused_step_many(rule: Rule, items: List[Item8], group: dict, hyper, skip=Non
         ops.call(module, "step_many", params[0], name, params, grads, [it.codes for it in batch],
                  [it.absmax for it in batch], maps[0], maps[1], group["block_size"], dict(hyper), keys, index,
                  stochastic_params=stoch_params, stochastic_states=stoch_states, error_sums=sums,
-                 skip=skip if device.type == "cuda" else None)
+                 corrections=_corrections(batch), skip=skip if device.type == "cuda" else None)
     return rest
 
 
@@ -772,11 +827,11 @@ def fused_step_fp32_many(rule: Rule, items: List[Item32], group: dict, hyper, sk
         keys, index = _rounding_lists(batch)
         ops.call(module, "step_fp32_many", batch[0].param, name, [it.param for it in batch],
                  [it.grad if it.grad.is_contiguous() else it.grad.contiguous() for it in batch],
-                 [it.states for it in batch], dict(hyper), keys, index,
+                 [it.states for it in batch], dict(hyper), keys, index, corrections=_corrections(batch),
                  skip=skip if device.type == "cuda" else None)
     return rest
 
 
-__all__ = ["step", "segment_hypers", "TensorStep", "Item8", "Item32", "IMPLS", "group_impl", "stochastic_params",
+__all__ = ["corrected", "correction_of", "read_param", "step", "segment_hypers", "TensorStep", "Item8", "Item32", "IMPLS", "group_impl", "stochastic_params",
            "stochastic_states", "fused_step_many", "fused_step_fp32_many", "reference_step_8bit",
            "reference_step_32bit", "kernel_rule", "write_param"]

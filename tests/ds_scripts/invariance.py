@@ -59,13 +59,16 @@ class Bag(nn.Module):
         return loss
 
 
-def opt_params(lr: float) -> dict:
-    return {"lr": lr, "block_size": BLOCK, "min_8bit_size": MIN_8BIT}
+def opt_params(lr: float, correction: bool = False) -> dict:
+    out = {"lr": lr, "block_size": BLOCK, "min_8bit_size": MIN_8BIT}
+    if correction:  # bf16 masters with a correction byte: 24-bit masters
+        out["correction_byte"] = True
+    return out
 
 
 def config(job: dict) -> dict:
     c = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-         "optimizer": {"type": job["optimizer"], "params": opt_params(job.get("lr", 0.05))},
+         "optimizer": {"type": job["optimizer"], "params": opt_params(job.get("lr", 0.05), job.get("correction", False))},
          "zero_optimization": {"stage": job["stage"]}}
     if job.get("bf16"):
         c["bf16"] = {"enabled": True}

@@ -217,10 +217,12 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
                const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums) {
+               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
+               const std::vector<torch::Tensor>& corrections) {
     check_isa(isa);
     check_block_size(block_size);
     const size_t n = params.size();
+    const bool corrected = binding::check_corrections(corrections, params, stochastic_params);
     TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == n, "error_sums must be empty or have one tensor per ",
                       "param (", n, "), got ", error_sums.size());
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
@@ -236,6 +238,7 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], step_map, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
         set_rounding(a, sr_keys, sr_index, t, n, stochastic_params, stochastic_states);
+        if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         if (!error_sums.empty()) {
             const torch::Tensor& e = error_sums[t];
             check_cpu_contiguous(e, "error_sums");
@@ -255,9 +258,11 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
 void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
                     std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
                     const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-                    const std::vector<int64_t>& sr_index) {
+                    const std::vector<int64_t>& sr_index, const std::vector<torch::Tensor>& corrections) {
     check_isa(isa);
     const size_t n = params.size();
+    const bool corrected = binding::check_corrections(corrections, params, false);
+    TORCH_CHECK_VALUE(!corrected || sr_keys.empty(), "correction bytes replace stochastic rounding: pass no sr_keys");
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n,
                       "params, grads and states must be lists of the same length, got ", n, ", ", grads.size(),
                       " and ", states.size());
@@ -274,6 +279,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
         StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
         check_same_dtypes(params, grads, t, "step_fp32_many");
         set_rounding(a, sr_keys, sr_index, t, n);
+        if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         a.fp32_states = true;
         for (size_t i = 0; i < k; ++i) {
             const torch::Tensor& st = states[t][i];
@@ -425,9 +431,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "error and magnitude",
           arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"),
           arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), params_sr, states_sr,
-          arg("error_sums") = std::vector<torch::Tensor>{});
+          arg("error_sums") = std::vector<torch::Tensor>{}, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("step_fp32_many", &ds_q8::step_fp32_many,
-          "the same fused step for tensors with float32 states (optim_bits=32), in place");
+          "the same fused step for tensors with float32 states (optim_bits=32), in place; corrections: "
+          "each bf16 param's correction bytes, or none",
+          arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"),
+          arg("sr_index"), arg("corrections") = std::vector<torch::Tensor>{});
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
     m.def("all_finite_or_unknown", &ds_q8::all_finite_or_unknown,
           "1 when no tensor holds NaN or Inf, 0 when one does, -1 when one is not a contiguous float CPU tensor");

@@ -40,6 +40,7 @@ struct StepArgs {
     bool stochastic_states[Q8_MAX_STATES]; // requantize these 8-bit states stochastically (q8_round_stochastic)
     uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
+    int8_t* correction;        // null, or bf16 params' correction bytes (one per element: q8_bf16_join/split)
     double* error_sums;        // null, or per state k, at 3k: sum |requantized - x|, sum |x|, and the count
                                // of nonzero x requantized to 0 (Q8_TELEMETRY_SUMS)
 };

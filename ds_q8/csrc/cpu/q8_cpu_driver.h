@@ -51,11 +51,35 @@ inline int64_t tile_of(int64_t block_size) { return block_size > kTile ? block_s
 template <class T> struct IsFloat32 { static constexpr bool value = false; };
 template <> struct IsFloat32<float> { static constexpr bool value = true; };
 
+template <class T> struct IsBFloat16 { static constexpr bool value = false; };
+template <> struct IsBFloat16<q8_bf16> { static constexpr bool value = true; };
+
+// A parameter read: its 16 bits, or with a correction byte the 24-bit value they make together.
+template <class I, class P>
+inline typename I::V load_param(const P* p, int cnt, const StepArgs& a, int64_t at) {
+    if constexpr (IsBFloat16<P>::value) {
+        if (a.correction) {
+            alignas(64) float vals[I::W] = {};
+            for (int i = 0; i < cnt; ++i) vals[i] = q8_bf16_join(p[i].x, a.correction[at + i]);
+            return I::load_tmp(vals);
+        }
+    }
+    return I::load(p, cnt);
+}
+
 template <class I, class P>
 inline void store_param(P* p, typename I::V v, int cnt, const StepArgs& a, int64_t at) {
     if constexpr (IsFloat32<P>::value) {
         I::store(p, v, cnt);
     } else {
+        if constexpr (IsBFloat16<P>::value) {
+            if (a.correction) {  // the value split into bf16 and its correction byte, to nearest
+                alignas(64) float vals[I::W];
+                I::store_tmp(vals, v);
+                for (int i = 0; i < cnt; ++i) q8_bf16_split(vals[i], &p[i].x, &a.correction[at + i]);
+                return;
+            }
+        }
         if (!a.stochastic) {
             I::store(p, v, cnt);
             return;
@@ -182,7 +206,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                 for (int j = 0; j < C / W && j * W < chunk; ++j) {
                     const int at = i + j * W;
                     const int cnt = (int)q8_min(W, len - at);
-                    V p = I::load(param + start + at, cnt);
+                    V p = load_param<I>(param + start + at, cnt, a, start + at);
                     V g = I::load(grad + start + at, cnt);
                     V st[K];
                     for (int k = 0; k < K; ++k) st[k] = s[k][j];
@@ -256,7 +280,7 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
             const int len = (int)q8_min(kSpan, a.numel - start);
             for (int i = 0; i < len; i += W) {
                 const int cnt = (int)q8_min(W, len - i);
-                V p = I::load(param + start + i, cnt);
+                V p = load_param<I>(param + start + i, cnt, a, start + i);
                 V g = I::load(grad + start + i, cnt);
                 V s[K];
                 for (int k = 0; k < K; ++k) s[k] = I::load(a.states32[k] + start + i, cnt);

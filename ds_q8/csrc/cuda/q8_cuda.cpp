@@ -125,8 +125,11 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
                const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
                const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip,
                bool stochastic_params, const std::vector<bool>& stochastic_states,
-               const std::vector<torch::Tensor>& error_sums) {
+               const std::vector<torch::Tensor>& error_sums, const std::vector<torch::Tensor>& corrections) {
     check_block_size(block_size);
+    if (binding::check_corrections(corrections, params, stochastic_params)) {
+        for (const auto& c : corrections) check_cuda(c, "corrections", c.device());
+    }
     StepBatch b = list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_many");
     set_choices(b, stochastic_params, stochastic_states, maps.size());
     TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == b.params.size(), "error_sums must be empty or have "
@@ -138,6 +141,7 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
                           e.numel(), " of ", e.scalar_type());
     }
     b.error_sums = error_sums;
+    b.corrections = corrections;
     TORCH_CHECK_VALUE(absmax.size() == b.params.size(), "step_many: absmax must have one list per tensor (",
                       b.params.size(), "), got ", absmax.size());
     for (size_t t = 0; t < b.params.size(); ++t)
@@ -158,7 +162,7 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
           const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip, bool stochastic_params,
           const std::vector<bool>& stochastic_states) {
     step_many(rule, {param}, {grad}, {states}, {absmax}, maps, lookups, block_size, hyper, sr_keys, sr_index, skip,
-              stochastic_params, stochastic_states, {});
+              stochastic_params, stochastic_states, {}, {});
 }
 
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): states[t] are
@@ -166,7 +170,9 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
 void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
                     std::vector<std::vector<torch::Tensor>> states, const std::map<std::string, double>& hyper,
                     const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
-                    const c10::optional<torch::Tensor>& skip) {
+                    const c10::optional<torch::Tensor>& skip, const std::vector<torch::Tensor>& corrections) {
+    const bool corrected = binding::check_corrections(corrections, params, false);
+    TORCH_CHECK_VALUE(!corrected || sr_keys.empty(), "correction bytes replace stochastic rounding: pass no sr_keys");
     StepBatch b =
         list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_fp32_many");
     if (b.params.empty()) return;
@@ -187,6 +193,7 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
     b.skip = skip_flag(skip, device);
     b.states = std::move(states);
     b.fp32_states = true;
+    b.corrections = corrections;
     cuda_step_many(b, hyper);
 }
 
@@ -229,15 +236,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), skip, params_sr, states_sr);
     m.def("step_many", &ds_q8::step_many,
-          "fused 8-bit step of many tensors, in place: one launch per 36 tensors; nothing is written when "
-          "skip (one int32 on the device) is non-zero",
+          "fused 8-bit step of many tensors, in place: one launch per 32 tensors; nothing is written when "
+          "skip (one int32 on the device) is non-zero; corrections: each bf16 param's correction bytes, or none",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"),
           arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr, states_sr,
-          arg("error_sums") = std::vector<torch::Tensor>{});
+          arg("error_sums") = std::vector<torch::Tensor>{}, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("step_fp32_many", &ds_q8::step_fp32_many,
           "the same fused step for tensors with float32 states (optim_bits=32 or small tensors), in place",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
-          skip);
+          skip, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
 }

@@ -32,10 +32,11 @@ struct StepBatch {
     bool has_keys = false;                         // sr_keys/sr_index given (needed by either kind)
     std::vector<int64_t> sr_keys, sr_index;        // per tensor when has_keys: hash key, index of param[0]
     std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [3 per state] (telemetry)
+    std::vector<at::Tensor> corrections;           // empty, or per tensor: int8 correction bytes (bf16 params)
     const int32_t* skip = nullptr;                 // device flag: non-zero means the kernels write nothing
 };
 
-// Launches on the current stream: one kernel per group of up to 36 tensors.
+// Launches on the current stream: one kernel per group of up to 32 tensors.
 void cuda_step_many(const StepBatch& batch, const std::map<std::string, double>& hyper);
 // the map itself is not needed: the lookup tensor (built from it) gives each value's nearest entry
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,

@@ -16,6 +16,7 @@
 
 #include <map>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "q8_common.h"
@@ -166,6 +167,44 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[kElems], int cnt, 
     store_bits8(p, b, cnt, align);
 }
 
+// A parameter's 8 values: as load8, or for bf16 with correction bytes `corr` (null: none) the 24-bit
+// values they make together (q8_bf16_join).
+template <class P>
+__device__ __forceinline__ void load_param8(const P* p, float (&v)[kElems], int cnt, int align, const int8_t* corr) {
+    if constexpr (std::is_same<P, q8_bf16>::value) {
+        if (corr != nullptr) {
+            uint32_t b[kElems];
+            load_bits8(p, b, cnt, align);
+#pragma unroll
+            for (int i = 0; i < kElems; ++i) v[i] = i < cnt ? q8_bf16_join((uint16_t)b[i], corr[i]) : 0.0f;
+            return;
+        }
+    }
+    load8(p, v, cnt, align);
+}
+
+// A parameter's write: as store8, or for bf16 with correction bytes split to nearest (q8_bf16_split).
+template <class P>
+__device__ __forceinline__ void store_param8(P* p, const float (&v)[kElems], int cnt, int align, int8_t* corr,
+                                             bool stochastic, uint32_t key, int64_t index) {
+    if constexpr (std::is_same<P, q8_bf16>::value) {
+        if (corr != nullptr) {
+            uint32_t b[kElems];
+#pragma unroll
+            for (int i = 0; i < kElems; ++i) {
+                uint16_t h;
+                int8_t c;
+                q8_bf16_split(v[i], &h, &c);
+                b[i] = h;
+                if (i < cnt) corr[i] = c;
+            }
+            store_bits8(p, b, cnt, align);
+            return;
+        }
+    }
+    store8(p, v, cnt, align, stochastic, key, index);
+}
+
 // ------------------------------------------------------------------ block absmax
 // NaN-propagating max of |x| over the T threads of one quantization block; every thread gets it.
 // `red` holds one float per warp of the CUDA block.
@@ -206,7 +245,7 @@ __device__ __forceinline__ uint32_t quantize_one(float x, float scale, bool fast
 // per-tensor pointers travel in the kernel's parameter block (__grid_constant__, so that indexing
 // it by the CTA's tensor reads the parameter space instead of copying it to the stack), each tensor
 // owns a contiguous range of CTAs, and a CTA finds its tensor by binary search over first_cta.
-constexpr int kListTensors = 36;
+constexpr int kListTensors = 32;
 
 struct StepSlot {
     void* param;
@@ -216,7 +255,8 @@ struct StepSlot {
     int64_t numel;
     int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
     uint32_t sr_key;
-    // byte alignments, capped at 16 (load_words); one byte each, so that 36 slots of Q8_MAX_STATES = 3
+    int8_t* correction;    // null, or the bf16 param's correction bytes (q8_bf16_join / q8_bf16_split)
+    // byte alignments, capped at 16 (load_words); one byte each, so that 32 slots of Q8_MAX_STATES = 3
     // states still fit the parameter block
     uint8_t align_param, align_grad, align_state;
     double* error_sums;    // null, or per state k, at 3k: sum |requantized - x|, sum |x|, nonzero x requantized to 0
@@ -303,7 +343,7 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
         for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
     }
     if (live) {
-        load8(param + start, p, cnt, a.align_param);
+        load_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr);
         load8(grad + start, g, cnt, a.align_grad);
 #pragma unroll
         for (int k = 0; k < K; ++k) {
@@ -314,7 +354,8 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
             for (int i = 0; i < kElems; ++i) s[k][i] = s_code[k][c[i]] * am;
         }
         apply_rule(rule, p, g, s);
-        store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
+        store_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr,
+                     list.stochastic, a.sr_key, a.sr_index + start);
     }
 #pragma unroll
     for (int k = 0; k < K; ++k) {
@@ -373,12 +414,13 @@ __global__ void step_fp32_kernel(const __grid_constant__ StepList list, const Ru
     const int cnt = (int)(a.numel - start < kElems ? a.numel - start : kElems);
     P* param = static_cast<P*>(a.param);
     float p[kElems], g[kElems], s[K][kElems];
-    load8(param + start, p, cnt, a.align_param);
+    int8_t* corr = a.correction ? a.correction + start : nullptr;
+    load_param8(param + start, p, cnt, a.align_param, corr);
     load8(static_cast<const G*>(a.grad) + start, g, cnt, a.align_grad);
 #pragma unroll
     for (int k = 0; k < K; ++k) load8(static_cast<const float*>(a.state[k]) + start, s[k], cnt, a.align_state);
     apply_rule(rule, p, g, s);
-    store8(param + start, p, cnt, a.align_param, list.stochastic, a.sr_key, a.sr_index + start);
+    store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
 #pragma unroll
     for (int k = 0; k < K; ++k) store8(static_cast<float*>(a.state[k]) + start, s[k], cnt, a.align_state);
 }
@@ -487,6 +529,7 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
                 s.sr_index = b.sr_index[t];
             }
             if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
+            if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
             list.first_cta[list.count++] = (int32_t)ctas;
             ctas += c;
         }

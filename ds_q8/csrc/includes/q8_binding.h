@@ -98,6 +98,27 @@ inline void check_stochastic_choices(bool has_keys, const std::vector<bool>& sta
     TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");
 }
 
+// The correction bytes of a step over params: none, or one int8 tensor per param, each with the
+// param's elements, contiguous and on its device, for bf16 params written to nearest (the byte takes
+// the place of stochastic rounding: q8_bf16_split).
+inline bool check_corrections(const std::vector<torch::Tensor>& corrections, const std::vector<torch::Tensor>& params,
+                              bool stochastic_params) {
+    if (corrections.empty()) return false;
+    TORCH_CHECK_VALUE(corrections.size() == params.size(), "corrections must be empty or have one tensor per param (",
+                      params.size(), "), got ", corrections.size());
+    TORCH_CHECK_VALUE(!stochastic_params, "correction bytes replace stochastic rounding: pass stochastic_params=False");
+    for (size_t t = 0; t < params.size(); ++t) {
+        const torch::Tensor& c = corrections[t];
+        TORCH_CHECK_VALUE(params[t].scalar_type() == torch::kBFloat16, "correction bytes need bfloat16 params, got ",
+                          params[t].scalar_type());
+        TORCH_CHECK_VALUE(c.scalar_type() == torch::kInt8 && c.numel() == params[t].numel() && c.is_contiguous() &&
+                          c.device() == params[t].device(), "corrections[", t, "] must be a contiguous int8 tensor of ",
+                          params[t].numel(), " elements on ", params[t].device(), ", got ", c.numel(), " of ",
+                          c.scalar_type(), " on ", c.device());
+    }
+    return true;
+}
+
 // The limits shared with Python (see q8_common.h).
 inline std::map<std::string, int64_t> limits() {
     return {{"min_block_size", Q8_MIN_BLOCK}, {"max_block_size", Q8_MAX_BLOCK}, {"max_states", Q8_MAX_STATES}};

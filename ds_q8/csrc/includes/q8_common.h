@@ -194,6 +194,30 @@ Q8_HD uint32_t q8_round_stochastic(float y, uint32_t nearest, const float* code,
     return idx;
 }
 
+// ------------------------------------------------------------------ the correction byte
+// A bf16 parameter with a correction byte (correction_byte=True) is a 24-bit float: its pattern is
+// (b << 16) + (c << 8), with c in [-128, 127] counted toward larger magnitude (ds_q8.optim.rounding,
+// split_bf16 / join_bf16, is the specification). Splitting rounds the fp32 pattern to a multiple of
+// 2^8, then to a multiple of 2^16, each half away from zero in magnitude; Inf and NaN keep c = 0.
+Q8_HD float q8_bf16_join(uint16_t b, int8_t c) {
+    const uint32_t top = (uint32_t)b << 16;
+    if ((top & 0x7F800000u) == 0x7F800000u) return q8_float(top);
+    return q8_float(top + (uint32_t)((int32_t)c * 256));
+}
+
+Q8_HD void q8_bf16_split(float f, uint16_t* b, int8_t* c) {
+    const uint32_t u = q8_bits(f);
+    if ((u & 0x7F800000u) == 0x7F800000u) {
+        *b = q8_bf16_from_float(f);
+        *c = 0;
+        return;
+    }
+    const uint32_t r = (u + 0x80u) & 0xFFFFFF00u;
+    const uint32_t hi = (r + 0x8000u) >> 16;
+    *b = (uint16_t)hi;
+    *c = (hi & 0x7F80u) == 0x7F80u ? (int8_t)0 : (int8_t)((int32_t)(r - (hi << 16)) >> 8);
+}
+
 Q8_HD void q8_store_sr(float* p, float v, uint32_t) { *p = v; }
 Q8_HD void q8_store_sr(q8_half* p, float v, uint32_t r) { p->x = q8_half_from_float_sr(v, r); }
 Q8_HD void q8_store_sr(q8_bf16* p, float v, uint32_t r) { p->x = q8_bf16_from_float_sr(v, r); }
