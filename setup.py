@@ -45,7 +45,7 @@ ext_modules, cmdclass = _prebuilt_extensions()
 
 setup(
     name="ds_q8",
-    version="0.3.0",
+    version="0.4.0",
     description="8-bit block-wise quantized optimizers for DeepSpeed",
     packages=find_packages(include=["ds_q8", "ds_q8.*"]),
     package_data={"ds_q8": ["csrc/**/*", "csrc/*"]},

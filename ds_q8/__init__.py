@@ -9,7 +9,7 @@ from . import optim
 from .optim import *  # noqa: F401,F403  (every optimizer class, listed in optim.__all__)
 from .registry import OPTIMIZERS, register_with_deepspeed
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 register_with_deepspeed()
 

@@ -263,3 +263,26 @@ def test_the_bindings_check_the_bytes(cpu_op):
     with pytest.raises(ValueError, match="replace stochastic rounding"):
         cpu_op.step_fp32_many(isa, "adamw", [p], [g], [states], hyper, [7], [0],
                               corrections=[torch.zeros(256, dtype=torch.int8)])
+
+
+def test_muon_matrices_and_their_auxiliary_adamw_keep_bytes():
+    """Muon8bitBlock: the matrices are stepped by the whole-matrix pass, the vectors by AdamW; with
+    the option both read and write 24-bit masters, the kernels as the reference."""
+    def run(impl):
+        gen = torch.Generator().manual_seed(3)
+        mats = [torch.nn.Parameter(torch.randn(64, 96, generator=gen).to(torch.bfloat16)) for _ in range(2)]
+        vecs = [torch.nn.Parameter(torch.randn(96, generator=gen).to(torch.bfloat16))]
+        opt = ds_q8.Muon8bitBlock([dict(params=mats, use_muon=True, lr=0.01), dict(params=vecs, use_muon=False,
+                                                                                    lr=1e-3)],
+                                  correction_byte=True, impl=impl, min_8bit_size=0)
+        for s in range(3):
+            for i, p in enumerate(mats + vecs):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * s + i)).to(p.dtype)
+            opt.step()
+        return mats + vecs, opt
+
+    (pk, ok), (pr, orf) = run("auto"), run("reference")
+    for a, b in zip(pk, pr):
+        assert torch.equal(_bits(a.data), _bits(b.data))
+        assert torch.equal(ok.state[a]["correction"], orf.state[b]["correction"])
+        assert bool(ok.state[a]["correction"].any())
