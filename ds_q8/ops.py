@@ -2,7 +2,7 @@
 
 CPU tensors go to the C++ op, CUDA tensors to the CUDA op. Each op is loaded (prebuilt, or
 JIT-compiled and cached by torch) on first use. Which path a step takes (kernels or the pure-PyTorch
-reference, the ``impl`` option) is decided in ``optim/step.py``, which calls the step entry points
+reference, the ``impl`` option) is decided in ``optim/path_kernel.py``, which calls the step entry points
 through :func:`call`; this module also offers block-wise (de)quantization in a kernel and the finite
 check of the gradients.
 

@@ -447,7 +447,10 @@ def test_unknown_rule_falls_back_with_one_warning(cpu_op, monkeypatch):
 
 def test_map_without_lookup_table_falls_back(cpu_op, monkeypatch):
     dense = torch.linspace(0.5, 0.51, 256)  # many midpoints per table bucket
-    monkeypatch.setattr(S, "maps_of", lambda rule, group, device: [dense])
+    from ds_q8.optim import path_kernel, path_reference
+
+    for path in (path_kernel, path_reference):  # the kernel path, and the reference it falls back to
+        monkeypatch.setattr(path, "maps_of", lambda rule, group, device: [dense])
     monkeypatch.setattr(ops, "_warned", set())
     p = torch.nn.Parameter(torch.randn(5000))
     opt = ds_q8.Momentum8bitBlock([p])

@@ -10,7 +10,7 @@ from .. import functional as F
 QUANTIZATIONS = ("dynamic", "linear")
 #: how the unsigned states (second moments) are requantized after each step
 STATE_ROUNDINGS = ("stochastic", "nearest")
-IMPLS = ("auto", "kernel", "reference")  # optim/step.py decides by it
+IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
 def _is_number(x) -> bool:

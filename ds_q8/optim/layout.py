@@ -132,7 +132,7 @@ class StateLayout:
         #: is the tensor's). Whole-matrix rules (Muon) need it to see a partition's slices as matrices;
         #: not part of :meth:`describe`, so saved layouts are unchanged.
         self.param_shapes = None if param_shapes is None else tuple(tuple(int(d) for d in s) for s in param_shapes)
-        #: payload bytes this tensor sent into whole-matrix exchanges (``step._exchange``), a measurement
+        #: payload bytes this tensor sent into whole-matrix exchanges (``path_matrix.exchange``), a measurement
         self.exchanged_bytes = 0
         prev = 0
         for s in self.segments:

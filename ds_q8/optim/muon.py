@@ -19,7 +19,7 @@ from .checks import beta_hyper, check_adam_group, check_range
 
 #: Muon's rule: one signed state named as DeepSpeed names it; the momentum part is element-wise
 #: (no fused kernel: the reference path, which quantizes and dequantizes with functional.py's
-#: block-wise ops), Newton-Schulz runs per whole matrix (``step.py``'s matrix path)
+#: block-wise ops), Newton-Schulz runs per whole matrix (``path_matrix.py``)
 MUON = rules.Rule("", ("momentum_buffer",), (True,), rules.muon_momentum, matrix=rules.muon_matrix,
                   apply=rules.muon_apply)
 
@@ -85,7 +85,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
     8-bit block-wise (1 byte per element plus one bfloat16 maximum per block). Under ZeRO 1/2 each rank
     keeps its slices' codes; a matrix cut by a partition edge is formed whole from the ranks' slices of
-    its Muon direction (``step._exchange``), so the step is the same bits at every world size.
+    its Muon direction (``path_matrix.exchange``), so the step is the same bits at every world size.
     """
     rule = rules.ADAMW  # the class's rule: the auxiliary AdamW groups; Muon groups: MUON (rule_for)
 

@@ -23,7 +23,7 @@ from typing import List
 import torch
 
 from .. import ops
-from .step import group_impl
+from .group_options import group_impl
 
 MODES = ("skip", "raise", "off")
 

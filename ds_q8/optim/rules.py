@@ -14,7 +14,7 @@ norms over the whole parameter the step needs (read-only: ``states`` are scratch
 Whole-matrix rules (Muon) give ``matrix``: their element-wise ``update`` changes the states and
 writes the matrix's *direction* into its ``p`` argument (an fp32 scratch shaped like the tensor,
 not the parameter); ``matrix(d, h)`` maps a whole matrix's direction to its step (Newton-Schulz),
-and ``apply(p, o, h)`` steps the parameter by it, element-wise (``step.py``: the matrix path).
+and ``apply(p, o, h)`` steps the parameter by it, element-wise (``path_matrix.py``).
 """
 from __future__ import annotations
 
