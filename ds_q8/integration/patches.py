@@ -158,8 +158,7 @@ PATCHES: Tuple[Patch, ...] = (
 
 def _get(obj, part: str, target: str):
     if not hasattr(obj, part):
-        raise AttributeError(f"ds_q8 patches {target.replace(':', '.')}, which this release lacks "
-                             f"({getattr(obj, '__name__', obj)!r} has no {part!r})")
+        raise AttributeError(f"{getattr(obj, '__name__', obj)!r} has no {part!r}")
     return getattr(obj, part)
 
 
@@ -214,7 +213,8 @@ def _look_up(table: Sequence[Patch]):
         try:
             where = resolve(row.target) if row.how in (SET, APPEND) else owner_of(row.target)
         except (ImportError, AttributeError) as e:
-            missing.append((row.dotted, str(e)))
+            if row.dotted not in dict(missing):  # several rows may patch one place
+                missing.append((row.dotted, str(e)))
             continue
         if row.how != PER_ENGINE:
             found.append((row, where))
