@@ -88,3 +88,21 @@ def test_the_places_shared_masters_uses_exist():
     for name in ("parallel_partitioned_bit16_groups", "params_in_partition", "partition_size", "first_offset",
                  "round_robin_bit16_padding", "grads_in_partition"):
         assert f"self.{name}" in init, name
+
+
+#: lines naming ``use_muon`` per file of DeepSpeed 0.19.8, outside its own Muon (runtime/zero/muon/). ZeRO-1/2's
+#: three checks of the tag are patched for ds_q8 (integration/muon_tags.py); every other reader acts only for
+#: DeepSpeed's MuonWithAuxAdam or for "type": "Muon" (docs/deepspeed.md, "Review at each DeepSpeed release").
+USE_MUON_READERS = {"__init__.py": 3, "module_inject/auto_tp.py": 1, "runtime/bf16_optimizer.py": 3,
+                    "runtime/engine.py": 6, "runtime/zero/stage3.py": 13, "runtime/zero/stage_1_and_2.py": 5}
+
+
+def test_deepspeed_reads_use_muon_where_it_was_read():
+    root = Path(deepspeed.__file__).parent
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        count = sum("use_muon" in line for line in path.read_text(errors="replace").splitlines())
+        if count and not rel.startswith("runtime/zero/muon/"):
+            found[rel] = count
+    assert found == USE_MUON_READERS
