@@ -184,3 +184,28 @@ def test_setup_declares_the_tested_range(monkeypatch):
     assert got["extras_require"]["deepspeed"] == [supported.REQUIREMENT]
     assert supported.REQUIREMENT in got["extras_require"]["train"]
     assert not any(r.startswith("deepspeed") for r in got["install_requires"])
+
+
+def test_every_form_of_config_that_names_ds_q8_is_recognised(tmp_path):
+    import base64
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    import ds_q8
+    from ds_q8.integration import entry
+
+    def meets(**arguments):
+        return entry.names_ds_q8(arguments, patches._is_ds_q8, ds_q8.OPTIMIZERS)
+
+    cfg = {"optimizer": {"type": "Lion8bitBlock", "params": {}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    encoded = base64.urlsafe_b64encode(json.dumps(cfg).encode()).decode()
+    assert meets(config=cfg) and meets(config=str(path)) and meets(config=path) and meets(config=encoded)
+    assert meets(config_params=cfg) and meets(args=SimpleNamespace(deepspeed_config=str(path)))
+    assert meets(config={"optimizer": {"type": "lion8bitblock"}})
+    assert meets(optimizer=ds_q8.Adam8bitBlock([torch.nn.Parameter(torch.zeros(4))]))
+    assert not meets(config={"optimizer": {"type": "AdamW"}}) and not meets(config={}) and not meets()
+    assert not meets(config=str(tmp_path / "missing.json")) and not meets(config={"optimizer": None})

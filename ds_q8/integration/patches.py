@@ -156,7 +156,7 @@ PATCHES: Tuple[Patch, ...] = (
 )
 
 
-def _get(obj, part: str, target: str):
+def _get(obj, part: str):
     if not hasattr(obj, part):
         raise AttributeError(f"{getattr(obj, '__name__', obj)!r} has no {part!r}")
     return getattr(obj, part)
@@ -167,7 +167,7 @@ def resolve(target: str):
     module, _, path = target.partition(":")
     obj = importlib.import_module(module)
     for part in filter(None, path.split(".")):
-        obj = _get(obj, part, target)
+        obj = _get(obj, part)
     return obj
 
 
@@ -176,7 +176,7 @@ def owner_of(target: str) -> Tuple[object, str]:
     module, _, path = target.partition(":")
     head, _, attr = path.rpartition(".")
     owner = resolve(f"{module}:{head}")
-    _get(owner, attr, target)
+    _get(owner, attr)
     return owner, attr
 
 
