@@ -12,6 +12,19 @@ import sys
 
 from setuptools import find_packages, setup
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name: str, *parts: str):
+    """A module of ds_q8 loaded by path: importing the ds_q8 package would need it installed already."""
+    path = os.path.join(HERE, "ds_q8", *parts)
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=(
+        [os.path.dirname(path)] if parts[-1] == "__init__.py" else None))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").strip() == "1"
@@ -22,14 +35,7 @@ def _prebuilt_extensions():
               if _flag(var) or _flag("DS_BUILD_OPS")]
     if not wanted:
         return [], {}
-    # Load ds_q8/op_builder alone: importing the ds_q8 package would need it installed already.
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(here, "ds_q8", "op_builder", "__init__.py")
-    spec = importlib.util.spec_from_file_location("ds_q8_op_builder", path,
-                                                  submodule_search_locations=[os.path.dirname(path)])
-    builders = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = builders
-    spec.loader.exec_module(builders)
+    builders = _load("ds_q8_op_builder", "op_builder", "__init__.py")
     from torch.utils.cpp_extension import BuildExtension
 
     extensions = []
@@ -42,6 +48,8 @@ def _prebuilt_extensions():
 
 
 ext_modules, cmdclass = _prebuilt_extensions()
+# the DeepSpeed releases the tests ran on, nothing wider: ds_q8 patches private parts of DeepSpeed
+DEEPSPEED = _load("ds_q8_supported", "integration", "supported.py").REQUIREMENT
 
 setup(
     name="ds_q8",
@@ -58,9 +66,9 @@ setup(
         "ninja",
     ],
     extras_require={
-        "deepspeed": ["deepspeed>=0.16"],
+        "deepspeed": [DEEPSPEED],
         # launch/: training, reports and launchers
-        "train": ["deepspeed>=0.16", "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
+        "train": [DEEPSPEED, "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
         "test": ["pytest", "hypothesis", "accelerate"],
     },
     ext_modules=ext_modules,

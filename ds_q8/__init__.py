@@ -7,11 +7,13 @@ from .groups import param_groups
 from .nn import StableEmbedding
 from . import optim
 from .optim import *  # noqa: F401,F403  (every optimizer class, listed in optim.__all__)
+from .integration.contract import DeepSpeedContractError
+from . import registry
 from .registry import OPTIMIZERS, register_with_deepspeed
 
 __version__ = "0.4.0"
 
-register_with_deepspeed()
+registry.connect()  # no DeepSpeed import: see ds_q8.integration.entry
 
 __all__ = [
     "functional",
@@ -22,4 +24,5 @@ __all__ = [
     "param_groups",
     "OPTIMIZERS",
     "register_with_deepspeed",
+    "DeepSpeedContractError",
 ] + list(optim.__all__)

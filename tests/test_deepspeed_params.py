@@ -21,6 +21,8 @@ def _params():
 def test_every_registered_type_is_on_torch_optim_and_zero_supported(name):
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
+    ds_q8.register_with_deepspeed()  # what deepspeed.initialize does when it meets a ds_q8 optimizer
+
     cls = ds_q8.OPTIMIZERS[name]
     assert getattr(torch.optim, name) is cls
     assert cls in ZERO_SUPPORTED_OPTIMIZERS
@@ -77,6 +79,7 @@ def test_engine_checks_refuse_elastic_and_nvme_only_for_ds_q8():
 def test_engine_check_is_installed_once():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
+    ds_q8.register_with_deepspeed()
     before = DeepSpeedEngine._configure_zero_optimizer
     ds_q8.register_with_deepspeed()
     assert DeepSpeedEngine._configure_zero_optimizer is before

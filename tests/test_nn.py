@@ -74,6 +74,8 @@ def test_param_groups_split_embeddings_and_no_decay():
 def test_optimizers_are_registered_for_deepspeed_json():
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
+    ds_q8.register_with_deepspeed()  # what deepspeed.initialize does when it meets a ds_q8 optimizer
+
     for name, cls in ds_q8.OPTIMIZERS.items():
         assert getattr(torch.optim, name) is cls
         assert cls in ZERO_SUPPORTED_OPTIMIZERS

@@ -231,6 +231,8 @@ def test_state_dict_round_trip_resumes_exactly(name):
 def test_registered_for_deepspeed_json(name):
     from deepspeed.runtime.zero.utils import ZERO_SUPPORTED_OPTIMIZERS
 
+    ds_q8.register_with_deepspeed()  # what deepspeed.initialize does when it meets a ds_q8 optimizer
+
     cls = ds_q8.OPTIMIZERS[name]
     assert getattr(torch.optim, name) is cls and cls in ZERO_SUPPORTED_OPTIMIZERS
     # DeepSpeed builds a JSON "type" as getattr(torch.optim, type)(params, **params)

@@ -1,5 +1,7 @@
 """The table of DeepSpeed patches (``ds_q8.integration.patches``): every row is applied, once, however
-often ``install`` runs, and a missing package leaves its rows out cleanly."""
+often ``install`` runs; a missing package leaves its rows out cleanly, and missing targets raise one
+``DeepSpeedContractError`` naming every one of them. When the table is installed (at the first
+``deepspeed.initialize`` that meets a ds_q8 optimizer): ``tests/test_deepspeed_contract.py``."""
 import sys
 import types
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 import ds_q8
-from ds_q8.integration import engine_hooks, grad_norm, patches
+from ds_q8.integration import engine_hooks, grad_norm, patches, supported
+from ds_q8.integration.contract import DeepSpeedContractError
 from ds_q8.integration.patches import AFTER, APPEND, BEFORE, PER_ENGINE, REPLACE, SET, Patch
 
 
@@ -38,8 +41,9 @@ def _snapshot():
     return out
 
 
-def test_every_row_is_applied_once_on_import():
+def test_every_row_is_applied_once_installed():
     pytest.importorskip("deepspeed")
+    assert ds_q8.register_with_deepspeed()
     for row in _hooked_rows():
         owner, attr = patches.owner_of(row.target)
         value = getattr(owner, attr)
@@ -54,6 +58,7 @@ def test_every_row_is_applied_once_on_import():
 
 def test_a_second_install_changes_nothing():
     pytest.importorskip("deepspeed")
+    assert ds_q8.register_with_deepspeed()
     before = _snapshot()
     assert patches.install() and ds_q8.register_with_deepspeed()
     after = _snapshot()
@@ -145,9 +150,23 @@ def test_a_missing_package_leaves_its_rows_out(target):
     assert target.names == ["a"]
 
 
-def test_a_missing_attribute_fails_before_anything_is_patched(target):
+def test_missing_targets_fail_together_before_anything_is_patched(target):
     table = (Patch("ds_q8_fake_target:names", APPEND, lambda: ["a"], "test"),
-             Patch("ds_q8_fake_target:Engine.renamed", BEFORE, print, "test"))
-    with pytest.raises(AttributeError, match="ds_q8_fake_target.Engine.renamed"):
+             Patch("ds_q8_fake_target:Engine.renamed", BEFORE, print, "test"),
+             Patch("ds_q8_fake_target:Gone.step", PER_ENGINE, print, "test"),
+             Patch("ds_q8_fake_target.removed:helper", REPLACE, print, "test"))
+    with pytest.raises(DeepSpeedContractError) as e:
         patches.install(table)
     assert target.names == []
+    text = str(e.value)
+    assert [t for t, _ in e.value.missing] == ["ds_q8_fake_target.Engine.renamed", "ds_q8_fake_target.Gone.step",
+                                               "ds_q8_fake_target.removed.helper"]
+    assert e.value.supported == supported.RANGE and f"supports DeepSpeed {supported.RANGE}" in text
+    assert "'Engine' has no 'renamed'" in text and supported.REQUIREMENT in text
+
+
+def test_import_applies_torch_rows_and_the_entry_row_only():
+    assert {row.package for row in patches.import_rows()} == {"torch"}
+    assert [row.target for row in patches.entry_rows()] == [patches.ENTRY] == ["deepspeed:initialize"]
+    # a callable that makes the optimizer runs inside _configure_optimizer: only rows after it can run late
+    assert not [row for row in patches.PATCHES if row.target.endswith("._configure_optimizer") and row.how != AFTER]

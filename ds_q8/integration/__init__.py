@@ -8,6 +8,9 @@
 * ``universal``: convert a ZeRO checkpoint so DeepSpeed's universal-checkpoint tools accept it;
 * ``grad_norm``: answer the non-finite check with the gradient norm DeepSpeed computed;
 * ``patches``: every place the modules above attach to DeepSpeed, in one table, installed once;
+* ``entry``: when the table is installed: the first ``deepspeed.initialize`` that meets a ds_q8 optimizer;
+* ``contract``, ``supported``: the DeepSpeed releases supported, and the one error for a release that
+  lacks a patched place;
 * ``engine_hooks``: how a row of that table attaches (before, after, replace; once per process);
 * ``lookup``: what all of them look up the same way (the optimizer in an engine, the checkpoint folder).
 """

@@ -12,6 +12,12 @@ optimizer (``Optimizer8bitBlock.grad_norm_source``) for the step it belongs to:
   clip below keeps it for the one ds_q8 step that follows.
 
 Where no norm was computed (no clipping, other wrappers), the optimizer reads the gradients as before.
+
+Two pieces of this module are copies of DeepSpeed engine logic, marked ``COPY OF DEEPSPEED`` below:
+:func:`engine_clips_fp32` (when the engine clips fp32 gradients itself) and the clip that
+:func:`_from_fp32_clip` puts in place of the engine's. ``tests/test_deepspeed_copies.py`` checks both
+against the engine's own behaviour, and ``docs/deepspeed.md`` lists them for review at each DeepSpeed
+release.
 """
 from __future__ import annotations
 
@@ -51,13 +57,22 @@ def _from_wrapper(wrapper, opt) -> None:
     opt.grad_norm_source = lambda: getattr(wrapper, "_global_grad_norm", None) if inside[0] else None
 
 
+def engine_clips_fp32(engine) -> bool:
+    """Whether the engine clips fp32 gradients itself (``clip_fp32_gradients``) before each step."""
+    # COPY OF DEEPSPEED: the condition in DeepSpeedEngine._take_model_step (deepspeed/runtime/engine.py),
+    # as of DeepSpeed 0.19.8
+    return engine.gradient_clipping() > 0.0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()
+                                                      or engine.zero_optimization())
+
+
 def _from_fp32_clip(engine, opt) -> None:
     from deepspeed.runtime.utils import clip_grad_norm_
 
     pending = {}
 
     def clip_fp32_gradients():
-        # what the engine's own method does, keeping the norm it returns for the next step
+        # COPY OF DEEPSPEED: the body of DeepSpeedEngine.clip_fp32_gradients (deepspeed/runtime/engine.py), as of
+        # DeepSpeed 0.19.8, which drops the norm that clip_grad_norm_ returns; this keeps it for the next step
         pending["norm"] = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
                                           mpu=engine.mpu)
 
@@ -72,9 +87,7 @@ def attach(engine) -> bool:
         return False
     outer = engine.optimizer
     if outer is opt:
-        # the engine's own condition for clipping fp32 gradients itself (DeepSpeedEngine._take_model_step)
-        if engine.gradient_clipping() > 0.0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()
-                                                      or engine.zero_optimization()):
+        if engine_clips_fp32(engine):
             _from_fp32_clip(engine, opt)
             return True
         return False

@@ -10,10 +10,16 @@ patched, the ds_q8 function that does it and why:
 * ``replace``: the target becomes ``function(original)``;
 * ``set``: every ``name: value`` of ``function()`` becomes an attribute of the target;
 * ``append``: every item of ``function()`` not in the target list is appended to it;
-* ``per-engine``: not applied by :func:`install`; the function patches one engine's object (or the
-  wrapper DeepSpeed built for it) when the row named in ``why`` runs, and leaves the class alone.
+* ``per-engine``: not applied by :func:`install` (its target is checked); the function patches one
+  engine's object (or the wrapper DeepSpeed built for it) when the row named in ``why`` runs, and
+  leaves the class alone.
 
 Rows are applied in order; two ``before`` rows on one method therefore run last-listed first.
+
+When: ``import ds_q8`` applies the rows of torch (:func:`import_rows`), and the ``deepspeed.initialize``
+row once DeepSpeed is imported (:func:`entry_rows`); the whole table is installed when DeepSpeed first
+meets a ds_q8 optimizer (``integration.entry``) or ``ds_q8.register_with_deepspeed()`` is called.
+Every target is looked up first; those a DeepSpeed lacks raise one ``contract.DeepSpeedContractError``.
 """
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
-from . import checkpoint_files, engine_checks, engine_hooks, grad_norm, muon_tags, shared_masters, universal, zero_layout
+from . import (checkpoint_files, contract, engine_checks, engine_hooks, entry, grad_norm, muon_tags, shared_masters,
+               universal, zero_layout)
 from .lookup import optimizer_classes
 
 BEFORE, AFTER, REPLACE, SET, APPEND, PER_ENGINE = "before", "after", "replace", "set", "append", "per-engine"
@@ -60,6 +67,17 @@ def _optimizer_class_list() -> list:
     return list(optimizer_classes().values())
 
 
+def _is_ds_q8(optimizer) -> bool:
+    from ..optim import Optimizer8bitBlock
+
+    return isinstance(optimizer, Optimizer8bitBlock)
+
+
+def _guard_initialize(original):
+    return entry.guard(original, install_once, _after_configure_optimizer, _is_ds_q8, optimizer_classes())
+
+
+ENTRY = "deepspeed:initialize"
 _ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
 _LINKAGE = "deepspeed.utils.mixed_precision_linkage"
 _STAGE3 = "deepspeed.runtime.zero.stage3:DeepSpeedZeroOptimizer_Stage3"
@@ -68,6 +86,8 @@ _STAGE12 = "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer"
 PATCHES: Tuple[Patch, ...] = (
     Patch("torch.optim", SET, optimizer_classes,
           "DeepSpeed resolves an optimizer \"type\" it does not know as an attribute of torch.optim"),
+    Patch(ENTRY, REPLACE, _guard_initialize,
+          "install this table when deepspeed.initialize meets a ds_q8 optimizer, before DeepSpeed builds anything"),
     Patch("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS", APPEND, _optimizer_class_list,
           "ZeRO accepts only optimizer classes listed there"),
     Patch(f"{_ENGINE}._configure_zero_optimizer", BEFORE, engine_checks.check_zero_config,
@@ -136,10 +156,9 @@ PATCHES: Tuple[Patch, ...] = (
 )
 
 
-def _get(obj, part: str, target: str):
+def _get(obj, part: str):
     if not hasattr(obj, part):
-        raise AttributeError(f"ds_q8 patches {target.replace(':', '.')}, which this release lacks "
-                             f"({getattr(obj, '__name__', obj)!r} has no {part!r})")
+        raise AttributeError(f"{getattr(obj, '__name__', obj)!r} has no {part!r}")
     return getattr(obj, part)
 
 
@@ -148,7 +167,7 @@ def resolve(target: str):
     module, _, path = target.partition(":")
     obj = importlib.import_module(module)
     for part in filter(None, path.split(".")):
-        obj = _get(obj, part, target)
+        obj = _get(obj, part)
     return obj
 
 
@@ -157,7 +176,7 @@ def owner_of(target: str) -> Tuple[object, str]:
     module, _, path = target.partition(":")
     head, _, attr = path.rpartition(".")
     owner = resolve(f"{module}:{head}")
-    _get(owner, attr, target)
+    _get(owner, attr)
     return owner, attr
 
 
@@ -175,23 +194,76 @@ def _apply(row: Patch, where) -> None:
         apply[row.how](*where, row.function, row.name)
 
 
-def install(table: Sequence[Patch] = PATCHES) -> bool:
-    """Apply every row once (a second call changes nothing). Returns False when a package the table
-    patches cannot be imported (DeepSpeed not installed): none of that package's rows are applied then,
-    the others are (``torch.optim`` still gets the optimizer classes)."""
-    found, missing = [], set()
-    # every target first: one that this release lacks raises before anything is patched
+def _importable(package: str) -> bool:
+    try:
+        importlib.import_module(package)
+    except ImportError:
+        return False
+    return True
+
+
+def _look_up(table: Sequence[Patch]):
+    """``(found, absent, missing)``: each applicable row with where it applies, the packages that cannot
+    be imported, and ``(target, reason)`` for each target an imported package lacks."""
+    found, absent, missing = [], set(), []
     for row in table:
-        if row.how == PER_ENGINE:
+        if row.package in absent or not _importable(row.package):
+            absent.add(row.package)
             continue
         try:
-            found.append((row, resolve(row.target) if row.how in (SET, APPEND) else owner_of(row.target)))
-        except ImportError:
-            missing.add(row.package)
+            where = resolve(row.target) if row.how in (SET, APPEND) else owner_of(row.target)
+        except (ImportError, AttributeError) as e:
+            if row.dotted not in dict(missing):  # several rows may patch one place
+                missing.append((row.dotted, str(e)))
+            continue
+        if row.how != PER_ENGINE:
+            found.append((row, where))
+    return found, absent, missing
+
+
+def install(table: Sequence[Patch] = PATCHES) -> bool:
+    """Apply every row once (a second call changes nothing). Every target is looked up first, per-engine
+    ones included: where an installed package lacks any, one ``DeepSpeedContractError`` names them all
+    and nothing is patched. Returns False when a package the table patches cannot be imported
+    (DeepSpeed not installed): none of that package's rows are applied then, the others are."""
+    found, absent, missing = _look_up(table)
+    contract.fail(missing)
     for row, where in found:
-        if row.package not in missing:
-            _apply(row, where)
-    return not missing
+        _apply(row, where)
+    if any(row.package == "deepspeed" for row, _ in found):
+        contract.warn_outside_range(contract.deepspeed_version())
+    if table is PATCHES and not absent and not _installed:
+        _installed.append(True)
+    return not absent
+
+
+_installed = []  # the whole table was installed in this process
+
+
+def install_once() -> bool:
+    """Install the whole table unless it was; True when this call installed it."""
+    if _installed:
+        return False
+    install()
+    return True
+
+
+def import_rows() -> Tuple[Patch, ...]:
+    """What ``import ds_q8`` applies: the rows of torch, which DeepSpeed does not need to be there."""
+    return tuple(row for row in PATCHES if row.package == "torch")
+
+
+def entry_rows() -> Tuple[Patch, ...]:
+    """What is applied once DeepSpeed is imported: its public ``initialize``, nothing private."""
+    return tuple(row for row in PATCHES if row.target == ENTRY)
+
+
+def _after_configure_optimizer(engine) -> None:
+    # the rows after the engine's _configure_optimizer, for an engine whose optimizer callable made a ds_q8
+    # optimizer while that method ran, before the table was installed
+    for row in PATCHES:
+        if row.target == f"{_ENGINE}._configure_optimizer" and row.how == AFTER:
+            row.function(engine, None)
 
 
 def describe(table: Sequence[Patch] = PATCHES) -> List[str]:
