@@ -10,7 +10,7 @@ from ds_q8 import functional as F
 from ds_q8.optim import rules
 from ds_q8.op_builder import Q8CUDABuilder
 
-from test_kernels import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
+from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,7 @@ import torch
 import ds_q8
 from ds_q8 import ops
 
-from test_kernels import RULES, assert_same_bits, assert_same_param, reference_step
-from test_multi_tensor import spy_calls
+from helpers.compare import RULES, assert_same_bits, assert_same_param, reference_step, spy_calls
 
 GPU = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")

@@ -22,9 +22,9 @@ from ds_q8 import functional as F
 from ds_q8 import ops
 
 
-import sim_op
-from optimizer_cases import kernel_cases
-from test_kernels import assert_same_bits, assert_same_param, reference_step
+from helpers import sim_op
+from helpers.compare import assert_same_bits, assert_same_param, reference_step
+from helpers.optimizer_cases import kernel_cases
 
 #: the device code under test: the shipped .cu, or (planted-bug runs) the copy Q8_SIM_KERNELS names
 KERNELS = os.environ.get("Q8_SIM_KERNELS", sim_op.CU)

@@ -1,4 +1,4 @@
-"""No module of ds_q8 imports itself back, however indirectly.
+"""No module of ds_q8 imports itself back, however indirectly; and no test imports another test module.
 
 A cycle works only as long as every module on it imports the others lazily or after its own names
 exist; moving one import to the top of a file then fails at import time, in an order that depends on
@@ -16,7 +16,9 @@ from collections import deque
 from pathlib import Path
 from typing import Dict, List, Set
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ds_q8"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "ds_q8"
+TESTS = REPO / "tests"
 
 
 def modules_of(root: Path) -> Dict[str, Path]:
@@ -175,3 +177,39 @@ def test_checker_resolves_relative_imports_without_inventing_cycles(tmp_path):
     graph["pkg.sub.other"].add("pkg.sub")
     assert cycles(graph) == [["pkg.sub", "pkg.sub.helper", "pkg.sub.other", "pkg.sub"],
                              ["pkg.sub.helper", "pkg.sub.other", "pkg.top", "pkg.sub.helper"]]
+
+
+# ---------------------------------------------------------------------------- tests/
+def imported_names(path: Path) -> Set[str]:
+    """The absolute modules a file imports anywhere in its source (``from a.b import c``: ``a.b``), and
+    the first argument of ``importlib.import_module`` / ``__import__`` calls given as a literal."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            out.add(node.args[0].value)
+    return out
+
+
+def imports_of_test_modules(path: Path) -> List[str]:
+    """The ``test_*`` modules ``path`` imports: shared code belongs in tests/helpers/."""
+    return sorted(m for m in imported_names(path) if m.split(".")[-1].startswith("test_")
+                  or m.split(".")[0].startswith("test_"))
+
+
+def test_no_test_imports_a_test_module():
+    found = {str(p.relative_to(REPO)): imports_of_test_modules(p) for p in sorted(TESTS.rglob("*.py"))}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"move what these import into tests/helpers/: {found}"
+
+
+def test_test_import_checks_catch_planted_imports(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("import test_kernels\nfrom test_layout import partitions\nfrom helpers.layout import KW\n"
+                   "def f():\n    import importlib\n    importlib.import_module('test_muon')\n")
+    assert imports_of_test_modules(bad) == ["test_kernels", "test_layout", "test_muon"]

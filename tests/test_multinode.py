@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import LAUNCH, REPO, env, metrics, run, summary
+from helpers.train import LAUNCH, REPO, env, metrics, run, summary
 
-import checkpointing  # noqa: E402  (launch/, put on sys.path by train_helpers)
+import checkpointing  # noqa: E402  (launch/, put on sys.path by helpers.train)
 from metrics_log import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.multirank, pytest.mark.slow]

@@ -15,7 +15,7 @@ from ds_q8.optim import rules
 from ds_q8.optim.layout import Segment, StateLayout, shared_blocks
 from ds_q8.optim.muon import default_use_muon, tag_muon
 
-from test_layout import ThreadComm, partitions
+from helpers.layout import ThreadComm, partitions
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 
