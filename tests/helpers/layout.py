@@ -29,6 +29,27 @@ class ThreadComm(Comm):
         self._reduce(t, lambda s: s.sum(dim=0))
 
 
+def run_ranks(world, body, shared):
+    """``body(rank)`` in one thread per rank; the first error of any rank is raised here (the others are
+    released from the barrier they wait at)."""
+    errors = []
+
+    def run(r):
+        try:
+            body(r)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def partitions(sizes, world, stage):
     """Per rank: [(param_index, param_start, numel, start_in_partition)] and the partition length."""
     out = [[] for _ in range(world)]
@@ -107,28 +128,17 @@ def run_sharded(cls, sizes, world, stage, steps, kw, bits=None, setup=None):
             setup(opt)
         flats.append(flat)
         opts.append(opt)
-    errors = []
 
     def rank_loop(r):
-        try:
-            for s in range(steps):
-                full = grads_for(s, sizes)
-                g = torch.zeros(lengths[r])
-                for i, pstart, numel, start in parts[r]:
-                    g[start:start + numel] = full[i][pstart:pstart + numel]
-                flats[r].grad = g
-                opts[r].step()
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-            shared["barrier"].abort()
+        for s in range(steps):
+            full = grads_for(s, sizes)
+            g = torch.zeros(lengths[r])
+            for i, pstart, numel, start in parts[r]:
+                g[start:start + numel] = full[i][pstart:pstart + numel]
+            flats[r].grad = g
+            opts[r].step()
 
-    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(world, rank_loop, shared)
     out = [torch.zeros(n) for n in sizes]
     states = [{name: torch.zeros(n) for name in opts[0].state_names} for n in sizes]
     for r in range(world):
