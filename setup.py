@@ -61,7 +61,7 @@ setup(
         "deepspeed": ["deepspeed>=0.16"],
         # launch/: training, reports and launchers
         "train": ["deepspeed>=0.16", "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
-        "test": ["pytest", "hypothesis", "accelerate"],
+        "test": ["pytest", "pytest-timeout==2.4.0", "hypothesis", "accelerate"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -357,6 +357,7 @@ def _run_planted(build, bug, select):
                                      "Q8_SIM_WATCHDOG_S": "20"}, timeout=1500)
 
 
+@pytest.mark.timeout(1800)  # two sanitized runs of a few tests: up to about 2 min on the 2-core machine
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bugs_are_reported(bug):
@@ -375,6 +376,7 @@ def test_planted_bugs_are_reported(bug):
 SANITIZER_REPORTS = ("ThreadSanitizer", "AddressSanitizer", "runtime error:", "LeakSanitizer")
 
 
+@pytest.mark.timeout(2700)  # above the run's own 2400 s limit; about 5 min each on the 2-core machine
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("build", ["tsan", "asan"])
 def test_sanitized_builds_are_clean(build):

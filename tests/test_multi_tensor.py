@@ -15,7 +15,6 @@ from ds_q8.op_builder import Q8CPUBuilder
 from helpers.compare import RULES, assert_same_bits, assert_same_param, kernel_calls, reference_step, spy_calls
 from helpers.isa import ISAS, isa  # noqa: F401 (isa is a fixture)
 
-GPU = torch.cuda.is_available()
 
 SIZES = [0, 1, 63, 64, 2048, 2049, 5000, 3 * 2048 + 7]
 
@@ -172,7 +171,7 @@ def test_step_many_equals_one_call_per_tensor(cpu_op):
             assert torch.equal(absmax[i][k], singles[2][i][k])
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["adamw", "momentum"])
 def test_cuda_many_params_bit_identical_to_reference(rule):
     cls, kw = RULES[rule]
