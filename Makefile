@@ -2,6 +2,7 @@
 #   make demo       the main job (launch/compare.py): seven short GPT trainings, a report and a plot
 #   make test       the whole test suite
 #   make test-fast  the tests without multi-rank DeepSpeed launches and slow builds (a few minutes)
+#   make test-gpu   the tests that need a CUDA GPU (they skip without one)
 # Each creates .venv and installs the project into it the first time (a CUDA 13.0 build of torch,
 # about 5.8 GB, from this machine's wheel cache or PyPI), and reinstalls only when
 # requirements-dev.txt or setup.py change. PYTHON picks the interpreter (default python3).
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.installed
 # the CUDA toolkit, found where it is (CUDA_HOME overrides): torch's own guess can be a wrapper's folder
 export CUDA_HOME ?= $(shell $(PYTHON) ds_q8/op_builder/toolkit.py)
 
-.PHONY: demo test test-fast install
+.PHONY: demo test test-fast test-gpu install
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,3 +36,6 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not multirank" tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -rs -m gpu tests

@@ -2,39 +2,35 @@
 
     python launch/gpu_check.py preflight                 imports, a visible GPU (STOP line, exit 2, if none)
     python launch/gpu_check.py build                     the CUDA op and the CPU op, at the same time
-    python launch/gpu_check.py correctness --out DIR     kernels vs the pure-PyTorch reference
-    python launch/gpu_check.py speed --out DIR [--n N]   CUDA-event timings against copy, bnb, torch
+    python launch/gpu_check.py correctness --out DIR     pytest -m gpu: the GPU tests of tests/, among them
+                                                         the kernels against the pure-PyTorch reference
+    python launch/gpu_check.py speed --out DIR [--n N]   python -m ds_q8.bench on the GPU: timings against
+                                                         copy, bitsandbytes, torch; targets as TARGET lines
     python launch/gpu_check.py sanitize                  a small run for compute-sanitizer
     python launch/gpu_check.py STAGE --dry-run           the plan only (no GPU needed)
 
-Every check prints one ``PASS name ...`` or ``FAIL name ...`` line and is added to
+Every check prints one ``PASS name ...``, ``FAIL name ...`` (or ``SKIP``) line and is added to
 DIR/gpu_check_<stage>.json as soon as it finishes (the file is rewritten after each result, so a
-run cut short still leaves what it measured). Exit status 1 when a check failed.
+run cut short still leaves what it measured). Exit status 1 when a check failed. This script imports
+nothing from tests/: the correctness stage runs pytest on them, whose ``--json-report`` writes the file.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import statistics
 import sys
 import time
 import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-BLOCK_SIZES = [64, 128, 256, 512, 1024, 2048, 4096]
-DTYPE_PAIRS = [("float32", "float32"), ("float16", "float16"), ("bfloat16", "bfloat16"), ("float16", "float32"),
-               ("bfloat16", "float32")]
-HUGE = 2 ** 31 + 4099
-BYTES_8BIT, BYTES_COPY = 16, 8  # per parameter: read p, g, 2 codes; write p, 2 codes / read + write
 DEVICE = "cuda"  # --device cpu runs the same checks on the CPU op, to try this script without a GPU
-
-
-def sizes_for(block_size: int) -> List[int]:
-    return [1, 7, block_size - 1, block_size + 1, 3 * block_size + 7]
+#: the GPU tests the correctness stage runs (the multi-rank ones run in gpu_check.sh's deepspeed-gpu stage)
+GPU_TESTS = "gpu and not multirank"
 
 
 def gpt2_xl_shapes(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int = 1024) -> List[tuple]:
@@ -90,164 +86,62 @@ class Report:
 
 
 # ---------------------------------------------------------------------------------------------- correctness
-def correctness_plan(quick: bool) -> List[tuple]:
-    plan = []
-    for bs in BLOCK_SIZES:
-        for pd, gd in DTYPE_PAIRS:
-            plan.append(("sweep", bs, pd, gd))
-    plan += [("rules", 256, "float32", "float32"), ("fp32_states", 256, "bfloat16", "bfloat16"),
-             ("offsets", 256, "float32", "float32"), ("offsets", 256, "bfloat16", "bfloat16"),
-             ("stream", 512, "float32", "float32"), ("skip", 256, "float32", "float32"),
-             ("quantize", 2048, "float32", "float32")]
-    if not quick:
-        plan.append(("huge", 2048, "bfloat16", "bfloat16"))
-    return plan
+def pytest_command(json_path: Optional[str], quick: bool, collect_only: bool = False) -> List[str]:
+    """``pytest -m gpu`` over tests/ (the multi-rank GPU tests aside), its report as JSON in ``json_path``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", GPU_TESTS,
+           os.path.join(ROOT, "tests")]
+    if quick:
+        cmd += ["-k", "not test_huge"]
+    if DEVICE != "cuda":
+        cmd += ["--kernel-device", DEVICE]
+    if collect_only:
+        cmd.append("--collect-only")
+    elif json_path:
+        cmd += ["--json-report", json_path]
+    return cmd
 
 
-def correctness(report: Report, quick: bool) -> None:
-    import torch
+def correctness(path: Optional[str], quick: bool) -> int:
+    """The GPU tests in a pytest process; its report, with the stage's name, is the stage's JSON file."""
+    import subprocess
+    import tempfile
 
-    import ds_q8
-    from ds_q8 import functional as F
-    from ds_q8 import ops
+    with tempfile.TemporaryDirectory() as tmp:
+        report = path or os.path.join(tmp, "report.json")
+        rc = subprocess.run(pytest_command(report, quick), cwd=ROOT).returncode
+        data = {"results": []}
+        if os.path.exists(report):
+            with open(report) as f:
+                data = json.load(f)
+        data.update(stage="correctness", pytest_exit=rc)
+        data.setdefault("failed", sum(r["result"] == "FAIL" for r in data["results"]))
+        if path:
+            with open(path, "w") as f:
+                json.dump(data, f, indent=1)
+    if rc == 5:  # pytest's "no tests collected"
+        print("FAIL correctness: pytest selected no GPU test", flush=True)
+    return 0 if rc == 0 else 1
 
-    def bits(t):
-        return t.view({torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
-                       torch.uint8: torch.uint8}[t.dtype])
 
-    def same(a, b, what):
-        if a.is_floating_point():
-            diff = (bits(a) != bits(b)) & ~(torch.isnan(a) & torch.isnan(b))
-        else:
-            diff = a != b
-        bad = int(diff.sum())
-        assert bad == 0, f"{what}: {bad} of {a.numel()} differ (first at {int(diff.nonzero()[0])})"
+def correctness_plan(quick: bool) -> List[str]:
+    """The tests the correctness stage would run: pytest's collection, which needs no GPU."""
+    import subprocess
 
-    def pair(cls, sizes, pd, gd, bs, steps=2, min_8bit_size=0, seed=0, **kw):
-        """The same optimizer with kernels and on the reference; both stepped; compared bit by bit."""
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        p0 = [torch.randn(n, generator=gen, device=DEVICE).to(pd) for n in sizes]
-        pk = [torch.nn.Parameter(x.clone()) for x in p0]
-        pr = [torch.nn.Parameter(x.clone()) for x in p0]
-        del p0
-        if gd != pd:
-            for a, b in zip(pk, pr):
-                a.grad_dtype = b.grad_dtype = gd  # e.g. fp32 gradients of bf16 params
-        ok = cls(pk, block_size=bs, min_8bit_size=min_8bit_size, impl="kernel", **kw)  # no silent fallback
-        orf = cls(pr, block_size=bs, min_8bit_size=min_8bit_size, **kw)
-        for s in range(steps):
-            for a, b in zip(pk, pr):
-                g = (torch.randn(a.numel(), generator=gen, device=DEVICE) * 10.0 ** (s % 3 - 1)).to(gd)
-                a.grad, b.grad = g, g.clone()
-                del g
-            ok.step()
-            reference_step(orf)
-        for i, (a, b) in enumerate(zip(pk, pr)):
-            same(a.data, b.data, f"param {i} ({a.numel()} elements)")
-            for key, v in ok.state[a].items():
-                if torch.is_tensor(v):
-                    same(v, orf.state[b][key], f"param {i} {key}")
-        return f"{len(sizes)} tensors, {steps} steps"
-
-    dt = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-    # tests/ is on sys.path (main); optimizer_cases builds nothing (test_kernels would build the CPU op)
-    from optimizer_cases import kernel_cases, reference_step
-    RULES = kernel_cases()
-
-    module = ops.load_op(DEVICE)
-    assert module is not None, "the CUDA op did not load"
-
-    def lists(sizes, pd, bs, offset=0, seed=0):
-        gen = torch.Generator(device=DEVICE).manual_seed(seed)
-        params = [torch.randn(n + offset, generator=gen, device=DEVICE).to(pd)[offset:] for n in sizes]
-        grads = [torch.randn(n + offset, generator=gen, device=DEVICE).to(pd)[offset:] for n in sizes]
-        states = [[torch.randint(0, 256, (n,), generator=gen, device=DEVICE, dtype=torch.uint8) for _ in range(2)]
-                  for n in sizes]
-        absmax = [[torch.rand(-(-n // bs), generator=gen, device=DEVICE).to(torch.bfloat16) for _ in range(2)] for n in sizes]
-        return params, grads, states, absmax
-
-    def adamw_args(bs):
-        opt = ds_q8.AdamW8bitBlock([torch.nn.Parameter(torch.zeros(1, device=DEVICE))], block_size=bs, lr=1e-2)
-        maps = opt._maps(opt.param_groups[0], torch.device(DEVICE))
-        return maps, [ops.lookup_table(m, module) for m in maps], dict(opt._hyper(opt.param_groups[0], 3))
-
-    def flat(params, states, absmax):
-        return list(params) + [t for s in states for t in s] + [t for a in absmax for t in a]
-
-    for kind, bs, pdn, gdn in correctness_plan(quick):
-        pd, gd = dt[pdn], dt[gdn]
-        name = f"correct {kind} bs={bs} p={pdn} g={gdn}"
-        if kind == "sweep":
-            report.run(name, lambda: pair(ds_q8.AdamW8bitBlock, sizes_for(bs), pd, gd, bs, lr=1e-2))
-        elif kind == "rules":
-            for rule, (cls, kw) in RULES.items():
-                report.run(f"correct rule {rule} bs={bs}", lambda: pair(cls, sizes_for(bs) + [20_000], pd, gd, bs,
-                                                                        steps=3, **kw))
-        elif kind == "fp32_states":
-            for rule in ("adamw", "momentum", "lion", "rmsprop_momentum"):
-                cls, kw = RULES[rule]
-                report.run(f"correct fp32 states {rule} p={pdn}",
-                           lambda: pair(cls, sizes_for(bs) + [20_000], pd, gd, bs, min_8bit_size=10 ** 9, **kw))
-        elif kind == "offsets":
-            def offsets():
-                maps, lookups, hyper = adamw_args(bs)
-                for offset in (1, 2, 3):
-                    p, g, s, a = lists(sizes_for(bs), pd, bs, offset)
-                    q, h = [x.clone() for x in p], [x.clone() for x in g]
-                    t, b = [[c.clone() for c in st] for st in s], [[c.clone() for c in st] for st in a]
-                    ops.call(module, "step_many", p[0], "adamw", p, g, s, a, maps, lookups, bs, hyper, [], [])
-                    ops.call(module, "step_many", q[0], "adamw", q, h, t, b, maps, lookups, bs, hyper, [], [])
-                    for x, y in zip(flat(p, s, a), flat(q, t, b)):
-                        same(x, y, f"offset {offset}")
-                return "views 1-3 elements in, against aligned copies"
-            report.run(name, offsets)
-        elif kind == "stream":
-            def stream():
-                if DEVICE != "cuda":
-                    return "no streams on " + DEVICE
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    detail = pair(ds_q8.AdamW8bitBlock, sizes_for(bs), pd, gd, bs, lr=1e-2)
-                torch.cuda.current_stream().wait_stream(side)
-                return detail + " on a side stream"
-            report.run(name, stream)
-        elif kind == "skip":
-            def skip():
-                if DEVICE != "cuda":
-                    return "the skip flag is CUDA's"
-                maps, lookups, hyper = adamw_args(bs)
-                p, g, s, a = lists(sizes_for(bs) * 8, pd, bs)  # 40 tensors: two launches
-                before = [x.clone() for x in flat(p, s, a)]
-                module.step_many("adamw", p, g, s, a, maps, lookups, bs, hyper, [], [],
-                                 skip=torch.ones(1, dtype=torch.int32, device=DEVICE))
-                for x, y in zip(flat(p, s, a), before):
-                    same(x, y, "skipped step")
-                module.step_many("adamw", p, g, s, a, maps, lookups, bs, hyper, [], [],
-                                 skip=torch.zeros(1, dtype=torch.int32, device=DEVICE))
-                assert any(not torch.equal(x, y) for x, y in zip(flat(p, s, a), before)), "flag 0 changed nothing"
-                return "flag 1 writes nothing, flag 0 steps"
-            report.run(name, skip)
-        elif kind == "quantize":
-            def quantize():
-                for d in (torch.float32, torch.float16, torch.bfloat16):
-                    x = (torch.randn(3 * bs + 100, device=DEVICE) * torch.logspace(-8, 3, 3 * bs + 100,
-                                                                                    device=DEVICE)).to(d)
-                    want = F.quantize_blockwise(x, None, bs)
-                    got = ops.quantize_blockwise(x, None, bs)
-                    same(got[0], want[0], f"codes {d}")
-                    same(got[1], want[1], f"absmax {d}")
-                    same(ops.dequantize_blockwise(*got, None, bs, d), F.dequantize_blockwise(*want, None, bs, d),
-                         f"dequantize {d}")
-                return "fp32/fp16/bf16"
-            report.run(name, quantize)
-        elif kind == "huge":
-            report.run(f"correct huge n={HUGE} bs={bs} p={pdn}",
-                       lambda: pair(ds_q8.AdamW8bitBlock, [HUGE], pd, gd, bs, steps=1, lr=1e-2))
-            release()
+    out = subprocess.run(pytest_command(None, quick, collect_only=True), cwd=ROOT, capture_output=True, text=True)
+    tests = [line for line in out.stdout.splitlines() if "::" in line]
+    if out.returncode != 0 or not tests:
+        raise RuntimeError(f"pytest --collect-only exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return tests
 
 
 # ---------------------------------------------------------------------------------------------- sanitize
+def sync() -> None:
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def sanitize(report: Report) -> None:
     """Small steps through every launch path, for compute-sanitizer memcheck / racecheck."""
     import torch
@@ -273,147 +167,58 @@ def sanitize(report: Report) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- speed
-def sync() -> None:
+#: step rows that answer other questions than the targets (python -m ds_q8.bench has them); each row of a
+#: table holds its own parameters at once, so at 1.5e9 parameters fewer rows also fit the GPU
+SPEED_SKIP = ["clip norm", "state_rounding=nearest", "foreach", "torchao", "DeepSpeedCPUAdam"]
+KERNEL_ROW = "ds_q8 AdamW8bitBlock (kernel, nonfinite=off)"  # against the copy bandwidth
+STEP_ROW = "ds_q8 AdamW8bitBlock (kernel)"  # against the peers
+PEERS = {"torch fused AdamW": "torch AdamW fused", "bitsandbytes AdamW8bit": "bitsandbytes AdamW8bit"}
+
+
+def bench_argv(n: int, reps: int, skip_peers: bool, many: Tuple[int, int]) -> List[str]:
+    """``python -m ds_q8.bench`` arguments: the step, copy, many-tensor and quantization tables only."""
+    argv = ["--device", DEVICE, "--n", str(n), "--reps", str(reps), "--no-reference", "--many", str(many[0]),
+            str(many[1]), "--in-cache", "0", "0", "--segments", "0", "--muon", "--block-sizes"]
+    for text in SPEED_SKIP + (["bitsandbytes"] if skip_peers else []):
+        argv += ["--skip", text]
+    return argv
+
+
+def speed(report: Report, n: int, reps: int, skip_peers: bool, many: Tuple[int, int]) -> None:
     import torch
 
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
+    from ds_q8 import bench
 
-
-def release() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _time_cuda(step: Callable[[], None], reps: int) -> List[float]:
-    """Milliseconds of each of `reps` calls by CUDA events, after one warm-up call."""
-    import torch
-
-    step()
-    sync()
-    out = []
-    for _ in range(reps):
-        if DEVICE != "cuda":
-            t0 = time.perf_counter()
-            step()
-            out.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end))
-    return out
-
-
-def speed(report: Report, n: int, reps: int, skip_peers: bool, xl_layers: int) -> None:
-    import torch
-
-    import ds_q8
-    from ds_q8 import ops
-
-    module = ops.load_op(DEVICE)
-    assert module is not None, "the CUDA op did not load"
     report.info("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
-    lr, wd = 1e-3, 1e-2
-    results: Dict[str, float] = {}
+    argv = bench_argv(n, reps, skip_peers, many)
+    report.info("bench", {"argv": argv})
+    result = bench.main(argv)
+    report.info("bench", {"argv": argv, "result": result})
+    speed_rows(report, result, n, reps, many)
 
-    def timed(name, make, bytes_per_param=None, params=n):
-        """Builds a step (after freeing the last one), times it, records the median."""
-        release()
-        try:
-            step = make()
-            times = _time_cuda(step, reps)
-        except Exception as exc:  # a missing peer (bitsandbytes) is reported, not fatal
-            report.add(f"speed {name}", None, f"unavailable: {' '.join(str(exc).split())[:200]}")
-            return None
-        med = statistics.median(times)
-        results[name] = med
-        extra = {}
-        if bytes_per_param:
-            extra["GBps"] = round(bytes_per_param * params / med / 1e6, 1)
-        report.add(f"speed {name}", None, f"median {med:.3f} ms of {reps}" +
-                   (f", {extra['GBps']} GB/s" if extra else ""), ms=med, times=times, **extra)
-        del step
-        return med
 
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    grad = torch.randn(n, generator=gen, device=DEVICE).mul_(1e-2)
-    base = torch.randn(n, generator=gen, device=DEVICE)
-
-    def copy():
-        dst = torch.empty_like(base)
-        return lambda: dst.copy_(base)
-
-    def param():
-        p = torch.nn.Parameter(base.clone())
-        p.grad = grad
-        return [p]
-
-    def ds_kernel():  # the raw launch on AdamW8bitBlock's maps and hyperparameters: no optimizer bookkeeping
-        bs = 256
-        opt = ds_q8.AdamW8bitBlock(param(), lr=lr, weight_decay=wd, block_size=bs)
-        group = opt.param_groups[0]
-        p = group["params"][0]
-        maps = opt._maps(group, p.device)
-        lookups = [ops.lookup_table(m, module) for m in maps]
-        hyper = dict(opt._hyper(group, 2))
-        codes = [torch.full((n,), 127, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
-        absmax = [torch.full((-(-n // bs),), 1e-3, device=DEVICE, dtype=torch.bfloat16) for _ in range(2)]
-        return lambda: ops.call(module, "step_many", p, "adamw", [p.data], [grad], [codes], [absmax], maps, lookups,
-                                 bs, hyper, [], [])
-
-    def against_peers(label: str, make_params: Callable[[], list], params: int, nonfinite_off: bool = False):
-        """ds_q8's optimizer step against torch fused AdamW and bitsandbytes on the same tensors."""
-        def bnb_step():
-            import bitsandbytes as bnb
-            return bnb.optim.AdamW8bit(make_params(), lr=lr, weight_decay=wd).step
-
-        ds = timed(f"{label} ds_q8 AdamW8bitBlock.step",
-                   lambda: ds_q8.AdamW8bitBlock(make_params(), lr=lr, weight_decay=wd, impl="kernel").step, BYTES_8BIT, params)
-        if nonfinite_off:
-            timed(f"{label} ds_q8 AdamW8bitBlock.step nonfinite=off",
-                  lambda: ds_q8.AdamW8bitBlock(make_params(), lr=lr, weight_decay=wd, nonfinite="off", impl="kernel").step,
-                  BYTES_8BIT, params)
-        peers = {"torch fused AdamW": timed(f"{label} torch AdamW fused", lambda: torch.optim.AdamW(
-            make_params(), lr=lr, weight_decay=wd, fused=True).step)}
-        if not skip_peers:
-            peers["bitsandbytes AdamW8bit"] = timed(f"{label} bitsandbytes AdamW8bit", bnb_step)
-        for peer, ms in peers.items():
-            if ds and ms:
-                report.target(f"{label} ds_q8 step faster than {peer}", ds < ms, f"{ds:.2f} ms vs {ms:.2f} ms")
-
-    copy_ms = timed("copy fp32 (dst.copy_(src))", copy, BYTES_COPY)
-    kernel_ms = timed("ds_q8 step_many kernel", ds_kernel, BYTES_8BIT)
-    if copy_ms and kernel_ms:
-        frac = (BYTES_8BIT / kernel_ms) / (BYTES_COPY / copy_ms)
+def speed_rows(report: Report, result: dict, n: int, reps: int, many: Tuple[int, int]) -> None:
+    """ds_q8.bench's tables as INFO rows, and the speed targets as TARGET lines (never a failure)."""
+    step, xl = result["step"], result["many"]["step"]
+    tables = [(f"n={n}", step), ("copy", result["copy"]), (f"gpt2-xl-sized {many[0]}x{many[1]}", xl),
+              ("quantization", result["quantization"])]
+    for label, rows in tables:
+        for r in rows:
+            report.add(f"speed {label} {r['name']}", None, f"median {r['ms']:.3f} ms of {reps}, {r['gbps']:.1f} GB/s",
+                       ms=r["ms"], GBps=round(r["gbps"], 1), times=r["runs_ms"])
+    named = {r["name"]: r for r in step}
+    if KERNEL_ROW in named and result["copy"]:
+        frac = named[KERNEL_ROW]["gbps"] / result["copy"][0]["gbps"]
         report.target("kernel >= 80% of copy bandwidth", frac >= 0.8, f"{100 * frac:.0f}% at n={n}", fraction=frac)
-    against_peers(f"n={n}", param, n, nonfinite_off=True)
-    base = grad = None  # frees 2 x 4n bytes before the GPT-2 XL rows (their closures are done)
-    release()
-
-    # the GPT-2 XL tensor list: many tensors, small ones on float32 states
-    shapes = gpt2_xl_shapes(xl_layers)
-    total = sum(int(torch.Size(s).numel()) for s in shapes)
-    report.info("gpt2_xl", {"tensors": len(shapes), "params": total})
-
-    def xl_params():
-        g = torch.Generator(device=DEVICE).manual_seed(1)
-        ps = []
-        for s in shapes:
-            p = torch.nn.Parameter(torch.randn(s, generator=g, device=DEVICE))
-            p.grad = torch.randn(s, generator=g, device=DEVICE).mul_(1e-2)
-            ps.append(p)
-        return ps
-
-    against_peers("gpt2-xl", xl_params, total)
-
+    for label, rows in ((f"n={n}", step), ("gpt2-xl", xl)):
+        named = {r["name"]: r for r in rows}
+        ds = named.get(STEP_ROW)
+        for peer, row in PEERS.items():
+            if row not in named:
+                report.add(f"speed {label} {row}", None, "unavailable (the log says why)")
+            elif ds:
+                ms = named[row]["ms"]
+                report.target(f"{label} ds_q8 step faster than {peer}", ds["ms"] < ms, f"{ds['ms']:.2f} ms vs {ms:.2f} ms")
 
 # ---------------------------------------------------------------------------------------------- preflight, build
 def preflight() -> int:
@@ -466,7 +271,7 @@ def build() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- main
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["preflight", "build", "correctness", "speed", "sanitize"])
     ap.add_argument("--out", help="directory for gpu_check_<stage>.json (default: no file)")
@@ -476,46 +281,64 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peers", action="store_true", help="speed without bitsandbytes")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: the same checks on the CPU op (tries this script without a GPU; use small --n)")
+                    help="cpu: the same checks on the CPU op (tries this script without a GPU; use small --n, --many)")
     ap.add_argument("--xl-layers", type=int, default=48, help="transformer layers of the GPT-2 XL list (48)")
+    ap.add_argument("--many", type=int, nargs=2, metavar=("COUNT", "SIZE"),
+                    help="speed's many-tensor table (default: as many tensors and parameters as the GPT-2 XL list)")
     args = ap.parse_args(argv)
     if args.reps < 5:
         ap.error(f"--reps must be at least 5, got {args.reps}")
     if args.n < 1:
         ap.error(f"--n must be a positive number of parameters, got {args.n}")
+    if args.many is None:
+        shapes = gpt2_xl_shapes(args.xl_layers)
+        args.many = (len(shapes), sum(math.prod(s) for s in shapes) // len(shapes))
+    if min(args.many) < 1:
+        ap.error(f"--many needs two positive numbers, got {args.many}")
+    return args
+
+
+def dry_run(args, path: Optional[str]) -> int:
+    if args.stage in ("preflight", "build"):
+        print(f"dry run of {args.stage}: " + ("imports and the GPU" if args.stage == "preflight" else
+                                              "the CUDA and CPU ops"))
+        return 0
+    if args.stage == "correctness":
+        plan = correctness_plan(args.quick)
+    elif args.stage == "speed":
+        plan = ["python -m ds_q8.bench " + " ".join(bench_argv(args.n, args.reps, args.no_peers, args.many))]
+    else:
+        plan = ["small AdamW steps, quantize, dequantize"]
+    print(f"dry run of {args.stage}: {len(plan)} checks")
+    for line in plan:
+        print("  " + line)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"stage": args.stage, "dry_run": True, "plan": plan}, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    global DEVICE
+    DEVICE = args.device
     if args.stage in ("preflight", "build") and not args.dry_run:
         return preflight() if args.stage == "preflight" else build()
     path = os.path.join(args.out, f"gpu_check_{args.stage}.json") if args.out else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     if args.dry_run:
-        if args.stage in ("preflight", "build"):
-            print(f"dry run of {args.stage}: " + ("imports and the GPU" if args.stage == "preflight" else
-                                                  "the CUDA and CPU ops"))
-            return 0
-        plan = {"correctness": [" ".join(map(str, c)) for c in correctness_plan(args.quick)],
-                "speed": [f"n={args.n} reps={args.reps}", f"gpt2-xl {len(gpt2_xl_shapes())} tensors"],
-                "sanitize": ["small AdamW steps, quantize, dequantize"]}[args.stage]
-        print(f"dry run of {args.stage}: {len(plan)} checks")
-        for line in plan:
-            print("  " + line)
-        if path:
-            with open(path, "w") as f:
-                json.dump({"stage": args.stage, "dry_run": True, "plan": plan}, f, indent=1)
-        return 0
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+        return dry_run(args, path)
     import torch
 
-    global DEVICE
-    DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():
         print("FAIL preflight: no CUDA GPU visible", flush=True)
         return 1
-    report = Report(path, args.stage)
     if args.stage == "correctness":
-        correctness(report, args.quick)
-    elif args.stage == "speed":
-        speed(report, args.n, args.reps, args.no_peers, args.xl_layers)
+        return correctness(path, args.quick)
+    report = Report(path, args.stage)
+    if args.stage == "speed":
+        speed(report, args.n, args.reps, args.no_peers, args.many)
     else:
         sanitize(report)
     report.info("failed", report.failed)

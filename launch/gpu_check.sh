@@ -4,14 +4,15 @@
 #   preflight    torch with CUDA, DeepSpeed, ds_q8 from this tree, a visible GPU; builds nothing and
 #                stops everything with one STOP line (exit 2) when one is missing
 #   build        the CUDA op and the CPU op, at the same time (every compile of the run is here)
-#   correctness  kernels against the pure-PyTorch reference, bit for bit (launch/gpu_check.py): block
-#                sizes 64-4096, sizes {1, 7, bs-1, bs+1, 3bs+7}, every rule, dtype pair, float32 states,
-#                offset views, a side stream, the skip flag, (de)quantize, one 2^31+4099-element tensor
-#   gpu-tests    the GPU tests of tests/test_cuda_multi.py, test_cuda_skip.py, test_cuda_build.py
-#   speed        CUDA-event medians against copy bandwidth, torch fused AdamW and bitsandbytes, as
-#                TARGET lines (figures against targets; FAIL is only for wrong results)
+#   correctness  pytest -m "gpu and not multirank" tests (launch/gpu_check.py correctness): the kernels
+#                against the pure-PyTorch reference, bit for bit (tests/test_gpu_kernels.py: block sizes
+#                64-4096, sizes {1, 7, bs-1, bs+1, 3bs+7}, every rule, dtype pair, float32 states, offset
+#                views, a side stream, the skip flag, (de)quantize, one 2^31+4099-element tensor) and the
+#                other GPU tests (multi-tensor launches, on-device skips, CPU against GPU); a JSON report
+#   speed        python -m ds_q8.bench on the GPU: medians against copy bandwidth, torch fused AdamW and
+#                bitsandbytes, as TARGET lines (figures against targets; FAIL is only for wrong results)
 #   sanitizer    compute-sanitizer memcheck and racecheck on a small workload, ds_q8 kernels only
-#   deepspeed    the DeepSpeed fp16 overflow skips and multi-tensor GPU tests
+#   deepspeed    pytest -m "gpu and multirank": the DeepSpeed fp16 overflow skips
 # Each stage has its own limit, cut to what is left of BUDGET_S (480). ptxas figures are CI's
 # (tests/test_cuda_build.py), not this script's.
 #
@@ -122,10 +123,8 @@ fi
 stage build 180 build.log "$PY" launch/gpu_check.py build || { echo "STOP build: nothing else can run"; stopped=1
                                                                exit 2; }
 
-# ---- correctness, then the GPU tests
-stage correctness 60 correctness.log "$PY" launch/gpu_check.py correctness --out "$WORK"
-stage gpu-tests 50 gpu_tests.log "$PY" -m pytest -q -rs -p no:cacheprovider -x tests/test_cuda_multi.py \
-    tests/test_cuda_skip.py tests/test_cuda_build.py -k "not compiles_and_imports and not registers"
+# ---- correctness: the GPU tests (pytest -m gpu), each a PASS/FAIL/SKIP line and a row of its JSON report
+stage correctness 110 correctness.log "$PY" launch/gpu_check.py correctness --out "$WORK"
 
 # ---- speed: figures against targets
 stage speed 60 speed.log "$PY" launch/gpu_check.py speed --n "$N" --out "$WORK"
@@ -147,9 +146,8 @@ else
     echo "SKIP sanitizer: compute-sanitizer not found"
 fi
 
-# ---- DeepSpeed fp16 overflow skips and the multi-tensor GPU tests (last: the slowest to start)
-stage deepspeed-gpu 40 deepspeed_gpu.log "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_multi_tensor.py \
-    tests/test_engine_faults.py -k "cuda or fp16"
+# ---- the multi-rank GPU tests: DeepSpeed's fp16 overflow skips (last: the slowest to start)
+stage deepspeed-gpu 40 deepspeed_gpu.log "$PY" -m pytest -q -rs -p no:cacheprovider -m "gpu and multirank" tests
 
 if [ "$DRY_RUN" = 1 ]; then
     for s in correctness speed sanitize; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done

@@ -52,6 +52,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from ds_q8.integration.noise import quiet  # noqa: E402
+from helpers.plugin import (  # noqa: E402,F401 (hooks and a fixture, found here by pytest)
+    kernel_device, pytest_addoption, pytest_collection_modifyitems, pytest_configure)
 
 quiet()
 

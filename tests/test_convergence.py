@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from train_helpers import LAUNCH, run  # noqa: F401  (puts launch/ on sys.path)
+from helpers.train import LAUNCH, run  # noqa: F401  (puts launch/ on sys.path)
 import convergence  # noqa: E402
 
 

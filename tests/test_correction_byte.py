@@ -19,7 +19,7 @@ import ds_q8
 from ds_q8 import ops
 from ds_q8.optim.rounding import join_bf16, split_bf16
 
-from optimizer_cases import kernel_cases
+from helpers.optimizer_cases import kernel_cases
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import LAUNCH, REPO, env, metrics, summary, train
+from helpers.train import LAUNCH, REPO, env, metrics, summary, train
 
 import checkpointing
 

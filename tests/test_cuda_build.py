@@ -10,12 +10,11 @@ from ds_q8 import functional as F
 from ds_q8.optim import rules
 from ds_q8.op_builder import Q8CUDABuilder
 
-from test_kernels import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
+from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
 
 pytestmark = pytest.mark.slow
 
 GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 
 def test_nvcc_flags_keep_ieee_rounding(monkeypatch):
@@ -54,7 +53,7 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
                                "max_states": F.MAX_STATES}
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("n,block_size", [(3 * 256 + 7, 256), (4096 * 2 + 33, 4096), (100, 64), (5000, 2048)])
@@ -64,14 +63,14 @@ def test_cuda_step_bit_identical(rule, dtype, n, block_size):
     assert_same_run(kernel, reference)
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_cuda_step_fp32_grads_and_offset_views():
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, {}, 3001, torch.bfloat16, steps=3, block_size=128,
                                  grad_dtype=torch.float32, device="cuda")
     assert_same_run(kernel, reference)
 
 
-@needs_gpu
+@pytest.mark.gpu
 def test_cuda_matches_cpu_kernels():
     """Same math on both devices: 10 AdamW steps give the same codes and params on CPU and GPU."""
     n = 50_000
@@ -91,7 +90,7 @@ def test_cuda_matches_cpu_kernels():
         assert_same_bits(out[0][1][key], out[1][1][key], key)
 
 
-@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_cuda_quantize_dequantize_match_reference(dtype):
     n, block_size = 4096 * 3 + 100, 2048

@@ -7,11 +7,8 @@ import torch
 import ds_q8
 from ds_q8 import ops
 
-from test_kernels import RULES, assert_same_bits, assert_same_param, reference_step
-from test_multi_tensor import spy_calls
+from helpers.compare import RULES, assert_same_bits, assert_same_param, reference_step, spy_calls
 
-GPU = torch.cuda.is_available()
-needs_gpu = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
 
 SIZES = [1, 7, 63, 255, 257, 3 * 256 + 7, 4099, 20_000]
 
@@ -51,7 +48,6 @@ def _snapshot(params, states, absmax):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_skip_flag_writes_nothing_and_zero_flag_changes_nothing(cuda_op):
     args = _adamw_lists(cuda_op, SIZES * 5)  # 40 tensors: two launches
     params, grads, states, absmax, maps, lookups, hyper = args
@@ -72,7 +68,6 @@ def test_skip_flag_writes_nothing_and_zero_flag_changes_nothing(cuda_op):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_skip_flag_is_checked(cuda_op):
     params, grads, states, absmax, maps, lookups, hyper = _adamw_lists(cuda_op, [100])
     for bad in (torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(2, dtype=torch.int32, device="cuda"),
@@ -82,7 +77,6 @@ def test_skip_flag_is_checked(cuda_op):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("offset", [0, 1, 2, 3])  # fp32 views 4/8/12 bytes in: 4-, 8-, 4-byte aligned
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offset_views_match_aligned_copies(cuda_op, offset, dtype):
@@ -99,7 +93,6 @@ def test_offset_views_match_aligned_copies(cuda_op, offset, dtype):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_offset_codes_views(cuda_op):
     # codes slices 1, 2 or 4 bytes into a buffer: per-element and 32-bit accesses
     p, g, s, a, maps, lookups, hyper = _adamw_lists(cuda_op, [4099, 5000, 257])
@@ -137,7 +130,6 @@ def _run_fp32_pair(cls, kw, dtype, steps=3, sizes=SIZES, grad_dtype=None):
 
 
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("rule", ["adamw", "adam", "momentum", "lion", "rmsprop_momentum", "adagrad", "lamb"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_step_fp32_many_bit_identical_to_reference(rule, dtype):
@@ -149,7 +141,6 @@ def test_step_fp32_many_bit_identical_to_reference(rule, dtype):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_step_fp32_many_fp32_grads_of_bf16_params():
     pk, ok, pr, orf = _run_fp32_pair(ds_q8.AdamW8bitBlock, {}, torch.bfloat16, grad_dtype=torch.float32)
     for i, (a, b) in enumerate(zip(pk, pr)):
@@ -157,7 +148,6 @@ def test_step_fp32_many_fp32_grads_of_bf16_params():
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_step_fp32_many_is_one_kernel_call(monkeypatch, cuda_op):
     calls = spy_calls(monkeypatch)
     _run_fp32_pair(ds_q8.AdamW8bitBlock, {}, torch.float32, steps=1)
@@ -165,7 +155,6 @@ def test_step_fp32_many_is_one_kernel_call(monkeypatch, cuda_op):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_step_fp32_many_skip_flag(cuda_op):
     gen = torch.Generator().manual_seed(2)
     params = [torch.randn(n, generator=gen).cuda() for n in SIZES]
@@ -183,7 +172,7 @@ def test_step_fp32_many_skip_flag(cuda_op):
     assert not torch.equal(params[-1], before[len(SIZES) - 1])
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_gpu)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_default_map_lookup_is_built_once(device):
     """quantize_blockwise without code= uses one cached default map: one lookup table, not one per call."""
     x = torch.randn(10_000, device=device)
@@ -201,7 +190,6 @@ def test_default_map_lookup_is_built_once(device):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_stream_is_respected(cuda_op):
     """A step launched on a side stream runs there: same bits as on the default stream."""
     params, grads, states, absmax, maps, lookups, hyper = _adamw_lists(cuda_op, SIZES)

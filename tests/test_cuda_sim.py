@@ -22,9 +22,9 @@ from ds_q8 import functional as F
 from ds_q8 import ops
 
 
-import sim_op
-from optimizer_cases import kernel_cases
-from test_kernels import assert_same_bits, assert_same_param, reference_step
+from helpers import sim_op
+from helpers.compare import assert_same_bits, assert_same_param, reference_step
+from helpers.optimizer_cases import kernel_cases
 
 #: the device code under test: the shipped .cu, or (planted-bug runs) the copy Q8_SIM_KERNELS names
 KERNELS = os.environ.get("Q8_SIM_KERNELS", sim_op.CU)
@@ -370,6 +370,7 @@ def _run_planted(build, bug, select):
                                      "Q8_SIM_WATCHDOG_S": "20"}, timeout=1500)
 
 
+@pytest.mark.timeout(1800)  # two sanitized runs of a few tests: up to about 2 min on the 2-core machine
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bugs_are_reported(bug):
@@ -388,6 +389,7 @@ def test_planted_bugs_are_reported(bug):
 SANITIZER_REPORTS = ("ThreadSanitizer", "AddressSanitizer", "runtime error:", "LeakSanitizer")
 
 
+@pytest.mark.timeout(2700)  # above the run's own 2400 s limit; about 5 min each on the 2-core machine
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("build", ["tsan", "asan"])
 def test_sanitized_builds_are_clean(build):

@@ -7,8 +7,7 @@ import torch
 
 import ds_q8
 
-GPU = torch.cuda.is_available()
-pytestmark = pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+pytestmark = pytest.mark.gpu
 
 
 def setup(n=5000, small=100, **kw):

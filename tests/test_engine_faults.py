@@ -136,7 +136,7 @@ def test_inf_on_one_rank_makes_both_ranks_skip(engine_faults):
     assert r["next_step_updates"] == [True, True]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed fp16 loss scaling needs a GPU")
+@pytest.mark.gpu  # DeepSpeed's fp16 loss scaling needs a GPU
 def test_fp16_overflow_skip_leaves_params_and_state_untouched(monkeypatch):
     import deepspeed
 

@@ -13,7 +13,7 @@ from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.op_builder import Q8CPUBuilder
 
-from probe import load_probe
+from helpers.probe import MAPS, load_probe, values_around_midpoints
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +28,6 @@ def probe():
 
 def has_avx512(module):
     return module.supported_isas()[0] == "avx512"
-
-
-MAPS = {
-    "dynamic signed": lambda: F.create_dynamic_map(signed=True),
-    "dynamic unsigned": lambda: F.create_dynamic_map(signed=False),
-    "linear unsigned": lambda: F.create_linear_map(signed=False),
-}
 
 
 @pytest.mark.parametrize("name", sorted(MAPS))
@@ -63,19 +56,10 @@ def test_every_float_in_range_matches_the_table(cpu_op, probe, name):
     assert probe.fast_search_mismatches(code, lookup, limit) == 0
 
 
-def _values_around_midpoints(code: torch.Tensor, ulps: int = 40) -> torch.Tensor:
-    mid = ((code[:-1] + code[1:]) * 0.5).to(torch.float32)
-    mid = mid[(mid.abs() <= 1.0)]
-    steps = torch.arange(-ulps, ulps + 1, dtype=torch.int32)
-    around = (mid.view(torch.int32)[:, None] + steps[None, :]).reshape(-1).view(torch.float32)
-    around = torch.cat([around, -around, torch.tensor([0.0, -0.0, 1.0, -1.0])])
-    return around[torch.isfinite(around) & (around.abs() <= 1.0)]
-
-
 @pytest.mark.parametrize("name", sorted(MAPS))
 def test_values_around_every_midpoint_match_the_reference(name):
     code = MAPS[name]()
-    probes = _values_around_midpoints(code)
+    probes = values_around_midpoints(code)
     block = 2048
     per_block = block - 1
     nblocks = math.ceil(probes.numel() / per_block)

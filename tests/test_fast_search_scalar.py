@@ -11,8 +11,7 @@ import torch
 from ds_q8 import functional as F
 from ds_q8.op_builder import Q8CPUBuilder
 
-from probe import load_probe
-from test_fast_search import MAPS, _values_around_midpoints
+from helpers.probe import MAPS, load_probe, values_around_midpoints
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ def test_every_float_in_unit_range_matches_the_table(cpu_op, name):
 def test_values_around_every_midpoint_match_the_reference(cpu_op, name):
     code = MAPS[name]()
     _needs_search(cpu_op, code)
-    x = _with_unit_absmax(_values_around_midpoints(code), 2048)
+    x = _with_unit_absmax(values_around_midpoints(code), 2048)
     want, _ = F.quantize_blockwise(x, code, 2048)
     got, _ = cpu_op.quantize("scalar", x, code, cpu_op.build_lookup(code), 2048)
     assert torch.equal(got, want)

@@ -24,7 +24,7 @@ import torch
 
 import ds_q8
 
-from train_helpers import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
+from helpers.train import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
 import fidelity  # noqa: E402
 import gpt_data  # noqa: E402
 

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ds_q8 import functional as F
 
-from optimizer_cases import kernel_cases
+from helpers.optimizer_cases import kernel_cases
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,6 +1,7 @@
 """launch/gpu_check.sh and its helpers without a GPU: the shell parses, its dry run lists every stage
-and every check, launch/gpu_check.py rejects bad arguments, and launch/ptxas_report.py reads ptxas's
-report."""
+and every check, launch/gpu_check.py rejects bad arguments, its correctness stage (pytest -m gpu) skips
+cleanly without a GPU and runs on the CPU op, its speed stage turns ds_q8.bench's tables into rows and
+targets, and launch/ptxas_report.py reads ptxas's report."""
 import glob
 import json
 import math
@@ -16,6 +17,8 @@ sys.path.insert(0, os.path.join(ROOT, "launch"))
 
 import gpu_check  # noqa: E402
 import ptxas_report  # noqa: E402
+
+from helpers.gpu_cases import BLOCK_SIZES, HUGE, sizes_for  # noqa: E402
 
 
 def test_shell_script_parses():
@@ -77,8 +80,7 @@ def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
     out = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_check.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    order = ["preflight", "build", "correctness", "gpu-tests", "speed", "sanitizer-memcheck", "sanitizer-racecheck",
-             "deepspeed-gpu"]
+    order = ["preflight", "build", "correctness", "speed", "sanitizer-memcheck", "sanitizer-racecheck", "deepspeed-gpu"]
     at = [out.stdout.find(f"stage {stage} ") for stage in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))  # answers first, the slowest to start last
     assert "stage ptxas" not in out.stdout  # CI's (tests/test_cuda_build.py)
@@ -87,14 +89,18 @@ def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
     assert "kns=ds_q8" in out.stdout and "PYTORCH_NO_CUDA_MEMORY_CACHING" in open(
         os.path.join(ROOT, "launch", "gpu_check.sh")).read()
     plan = json.loads((tmp_path / "gpu_check_correctness.json").read_text())["plan"]
-    assert any("huge" in line for line in plan)
-    assert {line.split()[1] for line in plan if line.startswith("sweep")} == {str(b) for b in gpu_check.BLOCK_SIZES}
+    assert any("test_huge" in line for line in plan)
+    assert {int(m) for m in re.findall(r"test_sweep\[bs=(\d+)-", "\n".join(plan))} == set(BLOCK_SIZES)
+    assert any(line.startswith("tests/test_cuda_multi.py::") for line in plan)  # every GPU test, not only the kernels'
+    assert not any(line.startswith("tests/test_engine_faults.py::") for line in plan)  # multi-rank: deepspeed-gpu's
+    speed = json.loads((tmp_path / "gpu_check_speed.json").read_text())["plan"]
+    assert speed[0].startswith("python -m ds_q8.bench --device cuda --n ")
 
 
 def test_plan_covers_the_issue_sizes():
-    assert gpu_check.sizes_for(256) == [1, 7, 255, 257, 3 * 256 + 7]
-    assert gpu_check.HUGE == 2 ** 31 + 4099
-    assert not any(c[0] == "huge" for c in gpu_check.correctness_plan(quick=True))
+    assert sizes_for(256) == [1, 7, 255, 257, 3 * 256 + 7]
+    assert HUGE == 2 ** 31 + 4099
+    assert not any("test_huge" in line for line in gpu_check.correctness_plan(quick=True))
     shapes = gpu_check.gpt2_xl_shapes()
     total = sum(math.prod(s) for s in shapes)
     assert len(shapes) == 580 and 1.55e9 < total < 1.56e9
@@ -127,13 +133,85 @@ ptxas info    : Used 12 registers, used 0 barriers
     assert rows[0]["kernel"].startswith("foo")
 
 
+@pytest.mark.timeout(900)  # above its run's own 600 s limit
 @pytest.mark.parametrize("stage", ["correctness", "sanitize"])
 def test_python_stages_run_on_the_cpu_op(tmp_path, stage):
     """The GPU run's checks, run here on the CPU op: the script itself has no bug to find on the GPU."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), stage, "--device", "cpu",
                           "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=ROOT))
+                         env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert "FAIL" not in out.stdout
     report = json.loads((tmp_path / f"gpu_check_{stage}.json").read_text())
-    assert report["failed"] == 0 and report["results"] and all(r["result"] == "PASS" for r in report["results"])
+    assert report["stage"] == stage and report["failed"] == 0 and report["results"]
+    assert all(r["result"] in ("PASS", "SKIP") for r in report["results"])
+    ran = [r["name"] for r in report["results"] if r["result"] == "PASS"]
+    if stage == "correctness":  # the kernel checks ran on the CPU op; the other GPU tests skipped
+        assert len(ran) >= len(BLOCK_SIZES) * 5 and all("test_gpu_kernels.py::" in name for name in ran), ran
+        assert "PASS tests/test_gpu_kernels.py::test_sweep[bs=64-p=float32-g=float32]" in out.stdout
+    else:
+        assert ran == ["sanitize workload"]
+
+
+@pytest.mark.timeout(900)  # above its run's own 600 s limit
+def test_gpu_tests_skip_cleanly_without_a_gpu(tmp_path):
+    """pytest -m gpu where no GPU is visible: every GPU test is selected and skipped, none fails or errs,
+    and the JSON report says so."""
+    path = tmp_path / "report.json"
+    files = ["tests/test_gpu_kernels.py", "tests/test_cuda_multi.py", "tests/test_cuda_skip.py",
+             "tests/test_multi_tensor.py", "tests/test_engine_faults.py"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files,
+                          "--json-report", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    report = json.loads(path.read_text())
+    results = report["results"]
+    assert report["skipped"] == len(results) > 60 and report["passed"] == report["failed"] == 0
+    assert {r["detail"] for r in results} == {"needs a CUDA GPU"}
+    assert {r["name"].split("::")[0] for r in results} == set(files)
+    assert sum(line.startswith("SKIP tests/") for line in out.stdout.splitlines()) == len(results)
+
+
+def fake_bench(n, many):
+    """ds_q8.bench's result, with the rows the speed stage reads."""
+    def row(name, ms, bytes_per_param=16, params=n):
+        return dict(name=name, ms=ms, gbps=bytes_per_param * params / ms / 1e6, runs_ms=[ms] * 5)
+
+    return dict(step=[row(gpu_check.STEP_ROW, 2.0), row(gpu_check.KERNEL_ROW, 1.8), row("torch AdamW fused", 3.0, 28)],
+                copy=[row("copy (dst.copy_(src), fp32)", 1.0, 8)],
+                many=dict(count=many[0], size=many[1], step=[row(gpu_check.STEP_ROW, 5.0, params=many[0] * many[1]),
+                                                             row("torch AdamW fused", 4.0, 28, many[0] * many[1]),
+                                                             row("bitsandbytes AdamW8bit", 6.0, 16, many[0] * many[1])]),
+                quantization=[row("quantize_blockwise (kernel)", 0.5, 5)])
+
+
+def test_speed_stage_reads_the_bench_tables(tmp_path, capsys):
+    n, many = 10 ** 9, (4, 250_000_000)
+    report = gpu_check.Report(str(tmp_path / "speed.json"), "speed")
+    gpu_check.speed_rows(report, fake_bench(n, many), n, 5, many)
+    data = json.loads((tmp_path / "speed.json").read_text())
+    targets = {r["name"]: r for r in data["results"] if r["result"] == "TARGET"}
+    assert targets["kernel >= 80% of copy bandwidth"]["met"] and targets["kernel >= 80% of copy bandwidth"][
+        "fraction"] == pytest.approx((16 / 1.8) / (8 / 1.0))
+    assert targets[f"n={n} ds_q8 step faster than torch fused AdamW"]["met"]
+    assert not targets["gpt2-xl ds_q8 step faster than torch fused AdamW"]["met"]
+    assert targets["gpt2-xl ds_q8 step faster than bitsandbytes AdamW8bit"]["met"]
+    assert f"n={n} ds_q8 step faster than bitsandbytes AdamW8bit" not in targets  # no such row: reported, not judged
+    infos = {r["name"]: r for r in data["results"] if r["result"] == "INFO"}
+    assert infos[f"speed n={n} bitsandbytes AdamW8bit"]["detail"].startswith("unavailable")
+    assert infos["speed copy copy (dst.copy_(src), fp32)"]["GBps"] == 8000.0
+    assert len(infos) == 3 + 1 + 3 + 1 + 1 and report.failed == 0
+    assert "TARGET gpt2-xl ds_q8 step faster than torch fused AdamW: missed" in capsys.readouterr().out
+
+
+def test_speed_stage_runs_the_bench_on_the_cpu(tmp_path, monkeypatch):
+    """The real ds_q8.bench call, small, on the CPU op."""
+    monkeypatch.setattr(gpu_check, "DEVICE", "cpu")
+    report = gpu_check.Report(str(tmp_path / "speed.json"), "speed")
+    gpu_check.speed(report, 4096, 5, True, (3, 1024))
+    data = json.loads((tmp_path / "speed.json").read_text())
+    names = [r["name"] for r in data["results"]]
+    assert f"speed n=4096 {gpu_check.STEP_ROW}" in names and f"speed gpt2-xl-sized 3x1024 {gpu_check.KERNEL_ROW}" in names
+    assert any(n.startswith("kernel >= 80% of copy bandwidth") for n in names)
+    assert not any("bitsandbytes" in n and "unavailable" not in r["detail"] for n, r in zip(names, data["results"]))
+    assert data["bench"]["argv"][:2] == ["--device", "cpu"] and report.failed == 0

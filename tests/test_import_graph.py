@@ -1,4 +1,5 @@
-"""No module of ds_q8 imports itself back, however indirectly.
+"""No module of ds_q8 imports itself back, however indirectly; no test imports another test module, and
+no launch script imports anything from tests/.
 
 A cycle works only as long as every module on it imports the others lazily or after its own names
 exist; moving one import to the top of a file then fails at import time, in an order that depends on
@@ -16,7 +17,9 @@ from collections import deque
 from pathlib import Path
 from typing import Dict, List, Set
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ds_q8"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "ds_q8"
+TESTS = REPO / "tests"
 
 
 def modules_of(root: Path) -> Dict[str, Path]:
@@ -175,3 +178,63 @@ def test_checker_resolves_relative_imports_without_inventing_cycles(tmp_path):
     graph["pkg.sub.other"].add("pkg.sub")
     assert cycles(graph) == [["pkg.sub", "pkg.sub.helper", "pkg.sub.other", "pkg.sub"],
                              ["pkg.sub.helper", "pkg.sub.other", "pkg.top", "pkg.sub.helper"]]
+
+
+# ---------------------------------------------------------------------------- tests/ and launch/
+def imported_names(path: Path) -> Set[str]:
+    """The absolute modules a file imports anywhere in its source (``from a.b import c``: ``a.b``), and
+    the first argument of ``importlib.import_module`` / ``__import__`` calls given as a literal."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            out.add(node.module)
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ast.unparse(node.func) in ("importlib.import_module", "import_module", "__import__")):
+            out.add(node.args[0].value)
+    return out
+
+
+def imports_of_test_modules(path: Path) -> List[str]:
+    """The ``test_*`` modules ``path`` imports: shared code belongs in tests/helpers/."""
+    return sorted(m for m in imported_names(path) if m.split(".")[-1].startswith("test_")
+                  or m.split(".")[0].startswith("test_"))
+
+
+def launch_imports_from_tests(path: Path) -> List[str]:
+    """What a launch script imports from tests/ (its top-level modules and packages), and a ``tests``
+    folder it puts on sys.path."""
+    local = {p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if (p / "__init__.py").exists()}
+    found = sorted(m for m in imported_names(path) if m.split(".")[0] in local | {"tests"})
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append"):
+            if any(isinstance(n, ast.Constant) and n.value == "tests" for n in ast.walk(node)):
+                found.append(f"sys.path: {ast.unparse(node)}")
+    return found
+
+
+def test_no_test_imports_a_test_module():
+    found = {str(p.relative_to(REPO)): imports_of_test_modules(p) for p in sorted(TESTS.rglob("*.py"))}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"move what these import into tests/helpers/: {found}"
+
+
+def test_launch_scripts_import_nothing_from_tests():
+    found = {str(p.relative_to(REPO)): launch_imports_from_tests(p) for p in sorted((REPO / "launch").glob("*.py"))}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"launch/ must run without tests/: {found}"
+
+
+def test_test_import_checks_catch_planted_imports(tmp_path):
+    bad = tmp_path / "test_bad.py"
+    bad.write_text("import test_kernels\nfrom test_layout import partitions\nfrom helpers.layout import KW\n"
+                   "def f():\n    import importlib\n    importlib.import_module('test_muon')\n")
+    assert imports_of_test_modules(bad) == ["test_kernels", "test_layout", "test_muon"]
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nsys.path.insert(0, os.path.join(ROOT, 'tests'))\n"
+                      "from helpers.optimizer_cases import kernel_cases\nimport conftest\nimport torch\n")
+    found = launch_imports_from_tests(script)
+    assert found[:2] == ["conftest", "helpers.optimizer_cases"] and found[2].startswith("sys.path: sys.path.insert")
+    assert len(found) == 3

@@ -9,14 +9,12 @@ import torch
 
 import ds_q8
 from ds_q8 import functional as F
-from ds_q8 import ops
 from ds_q8.optim import step as S
 from ds_q8.op_builder import Q8CPUBuilder
 
-from test_kernels import (  # noqa: F401 (isa is a fixture)
-    ISAS, RULES, assert_same_bits, assert_same_param, isa, kernel_calls, reference_step)
+from helpers.compare import RULES, assert_same_bits, assert_same_param, kernel_calls, reference_step, spy_calls
+from helpers.isa import ISAS, isa  # noqa: F401 (isa is a fixture)
 
-GPU = torch.cuda.is_available()
 
 SIZES = [0, 1, 63, 64, 2048, 2049, 5000, 3 * 2048 + 7]
 
@@ -65,18 +63,6 @@ def assert_same(kernel, reference):
 def test_many_params_bit_identical_to_reference(isa, rule):
     cls, kw = RULES[rule]
     assert_same(*run_pair(cls, kw))
-
-
-def spy_calls(monkeypatch):
-    calls = []
-    real = ops.call
-
-    def spy(module, name, *args, **kw):
-        calls.append((name, len(args[2]) if name == "step_many" else 1))  # args: tensor, rule, params
-        return real(module, name, *args, **kw)
-
-    monkeypatch.setattr(ops, "call", spy)
-    return calls
 
 
 def test_one_call_per_batch(monkeypatch):
@@ -185,7 +171,7 @@ def test_step_many_equals_one_call_per_tensor(cpu_op):
             assert torch.equal(absmax[i][k], singles[2][i][k])
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU")
+@pytest.mark.gpu
 @pytest.mark.parametrize("rule", ["adamw", "momentum"])
 def test_cuda_many_params_bit_identical_to_reference(rule):
     cls, kw = RULES[rule]

@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from train_helpers import LAUNCH, REPO, env, metrics, run, summary
+from helpers.train import LAUNCH, REPO, env, metrics, run, summary
 
-import checkpointing  # noqa: E402  (launch/, put on sys.path by train_helpers)
+import checkpointing  # noqa: E402  (launch/, put on sys.path by helpers.train)
 from metrics_log import read_metrics  # noqa: E402
 
-pytestmark = [pytest.mark.multirank, pytest.mark.slow]
+pytestmark = [pytest.mark.multirank, pytest.mark.slow, pytest.mark.timeout(1800)]  # a cluster to start first
 
 CLUSTER = LAUNCH / "local_cluster.sh"
 STATE = Path("/tmp/ds_q8_cluster")  # local_cluster.sh's default

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from train_helpers import REPO, env
+from helpers.train import REPO, env
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import free_port  # noqa: E402

@@ -15,7 +15,7 @@ from ds_q8.optim import rules
 from ds_q8.optim.layout import Segment, StateLayout, shared_blocks
 from ds_q8.optim.muon import default_use_muon, tag_muon
 
-from test_layout import ThreadComm, partitions
+from helpers.layout import ThreadComm, partitions, run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 
@@ -318,30 +318,19 @@ def run_sharded_muon(world, stage, steps, kw):
                                  group_index=gi, param_shapes=[MAT_SHAPES[i] for i in members])
             opt.register_layout(flat, layout)
         ranks.append((opt, flats))
-    errors = []
 
     def loop(r):
-        try:
-            opt, flats = ranks[r]
-            for s in range(steps):
-                full = _grads(s)
-                for (members, sizes, parts, lengths, segs, slots), flat in zip(plans, flats):
-                    g = torch.zeros(lengths[r])
-                    for j, pstart, numel, start in parts[r]:
-                        g[start:start + numel] = full[members[j]].view(-1)[pstart:pstart + numel]
-                    flat.grad = g
-                opt.step()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-            shared["barrier"].abort()
+        opt, flats = ranks[r]
+        for s in range(steps):
+            full = _grads(s)
+            for (members, sizes, parts, lengths, segs, slots), flat in zip(plans, flats):
+                g = torch.zeros(lengths[r])
+                for j, pstart, numel, start in parts[r]:
+                    g[start:start + numel] = full[members[j]].view(-1)[pstart:pstart + numel]
+                flat.grad = g
+            opt.step()
 
-    threads = [threading.Thread(target=loop, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    run_ranks(world, loop, shared)
     out = [torch.zeros(s).view(-1) for s in MAT_SHAPES]
     states = [dict() for _ in MAT_SHAPES]
     for r in range(world):

@@ -9,7 +9,7 @@ from torch import nn
 import ds_q8
 from ds_q8 import functional as F
 
-from optimizer_cases import CASES as ALL_CASES
+from helpers.optimizer_cases import CASES as ALL_CASES
 
 CASES = {name: ALL_CASES[name] for name in ("adam", "adamw", "momentum", "nesterov", "dampening")}
 

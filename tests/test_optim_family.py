@@ -15,7 +15,7 @@ import torch
 import ds_q8
 from ds_q8.optim import qstate
 
-from optimizer_cases import CASES as ALL_CASES
+from helpers.optimizer_cases import CASES as ALL_CASES
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -14,8 +14,9 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8.optim import rounding
 
-from test_kernels import ISAS, assert_same_run, isa, run_both  # noqa: F401  (isa: a fixture)
-from optimizer_cases import kernel_cases
+from helpers.compare import assert_same_run, run_both
+from helpers.isa import ISAS, isa  # noqa: F401  (isa: a fixture)
+from helpers.optimizer_cases import kernel_cases
 
 RULES = kernel_cases()
 

@@ -6,8 +6,8 @@ import torch
 import ds_q8
 from ds_q8 import ops
 
-from test_kernels import ISAS, isa  # noqa: F401  (isa: a fixture)
-from test_layout import KW, SIZES, grads_for, run_plain, run_sharded
+from helpers.isa import ISAS, isa  # noqa: F401  (isa: a fixture)
+from helpers.layout import KW, SIZES, grads_for, run_plain, run_sharded
 
 
 def _trained(impl, steps=4, every=2):

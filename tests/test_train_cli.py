@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from train_helpers import CONFIGS, LAUNCH, REPO, run  # noqa: F401  (puts launch/ on sys.path)
+from helpers.train import CONFIGS, LAUNCH, REPO, run  # noqa: F401  (puts launch/ on sys.path)
 
 import checkpointing
 import gpt_data

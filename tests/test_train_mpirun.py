@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from train_helpers import LAUNCH, metrics, run, summary
+from helpers.train import LAUNCH, metrics, run, summary
 
 pytestmark = pytest.mark.multirank
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from train_helpers import LAUNCH, metrics, run, summary, train
+from helpers.train import LAUNCH, metrics, run, summary, train
 
 pytestmark = pytest.mark.slow
 

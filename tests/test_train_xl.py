@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from train_helpers import CONFIGS, metrics, summary, train
+from helpers.train import CONFIGS, metrics, summary, train
 
 pytestmark = pytest.mark.slow
 

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
 import invariance  # noqa: E402
 
-pytestmark = [pytest.mark.multirank, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(1500),  # above its jobs' own 1200 s limit
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 WORLDS = (1, 2, 3, 4)
 STEPS, TRUST_STEPS, SAVE_AT = 6, 20, 3

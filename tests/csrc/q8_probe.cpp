@@ -1,4 +1,4 @@
-// Entry points that only the tests use, kept out of the shipped CPU module. tests/probe.py builds
+// Entry points that only the tests use, kept out of the shipped CPU module. tests/helpers/probe.py builds
 // this file together with the AVX-512 driver (compiled with Q8_PROBES, which adds its exhaustive
 // search check) into a separate extension.
 #include <torch/extension.h>

@@ -1,4 +1,5 @@
-"""Shared by the tests/test_train_*.py files: paths and a subprocess runner for launch/ scripts."""
+"""Paths and a subprocess runner for the launch/ scripts, shared by the training tests. Importing it puts
+launch/ on sys.path."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
 CONFIGS = REPO / "ds_configs"
 

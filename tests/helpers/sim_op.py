@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROOT = os.path.dirname(TESTS)
 SIM = os.path.join(TESTS, "cuda_sim")
 CU = os.path.join(ROOT, "ds_q8", "csrc", "cuda", "q8_cuda_kernels.cu")

@@ -8,7 +8,11 @@ from __future__ import annotations
 import functools
 import os
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
+import torch
+
+from ds_q8 import functional as F
+
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -23,3 +27,20 @@ def load_probe():
                                                  csrc("cpu", "isa_avx512.cpp")],
                 extra_include_paths=[csrc("includes"), csrc("cpu")],
                 extra_cflags=builder.cxx_args() + ["-DQ8_PROBES"], extra_ldflags=builder.extra_ldflags())
+
+
+#: the maps whose tables the fast search takes
+MAPS = {
+    "dynamic signed": lambda: F.create_dynamic_map(signed=True),
+    "dynamic unsigned": lambda: F.create_dynamic_map(signed=False),
+    "linear unsigned": lambda: F.create_linear_map(signed=False),
+}
+
+
+def values_around_midpoints(code: torch.Tensor, ulps: int = 40) -> torch.Tensor:
+    mid = ((code[:-1] + code[1:]) * 0.5).to(torch.float32)
+    mid = mid[(mid.abs() <= 1.0)]
+    steps = torch.arange(-ulps, ulps + 1, dtype=torch.int32)
+    around = (mid.view(torch.int32)[:, None] + steps[None, :]).reshape(-1).view(torch.float32)
+    around = torch.cat([around, -around, torch.tensor([0.0, -0.0, 1.0, -1.0])])
+    return around[torch.isfinite(around) & (around.abs() <= 1.0)]
