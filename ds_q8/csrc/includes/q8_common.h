@@ -29,7 +29,7 @@
 // 3. In ds_q8/optim/, the class: a subclass of Optimizer8bitBlock (ds_q8/optim/base.py) with
 //    `rule = rules.MY_RULE`, its constructor defaults, _check_group and _hyper. The drivers pick the
 //    functor up by name; no kernel or binding changes.
-// 4. Its row in tests/optimizer_cases.py (ds_q8 class, 32-bit reference, hyperparameters).
+// 4. Its row in tests/helpers/optimizer_cases.py (ds_q8 class, 32-bit reference, hyperparameters).
 // Rules scaled by whole-parameter norms (LAMB/LARS) get those norms as step scalars.
 #pragma once
 
