@@ -1,5 +1,5 @@
 # Two commands from a bare machine with Python 3.9+ and make:
-#   make demo       the main job (launch/compare.py): seven short GPT trainings, a report and a plot
+#   make demo       the main job (launch/compare.py): eight short GPT trainings, a report and a plot
 #   make test       the whole test suite
 #   make test-fast  the tests without multi-rank DeepSpeed launches and slow builds (a few minutes)
 # Each creates .venv and installs the project into it the first time (a CUDA 13.0 build of torch,
