@@ -41,8 +41,8 @@ Optimizers:
 table then also gives each run's weight drift from it (the relative L2 distance of the final weights).
 The masters study (fp32 against bf16 masters at a low learning rate) is one command:
 
-    python launch/convergence.py --lrs 1e-4 --steps 1000 --seeds 0 1 2 --workers 1 --reference ds_q8:amp \
-        --optimizers ds_q8:amp ds_q8:bf16 ds_q8:bf16cb --out launch/results/correction_byte/steps1000
+    python launch/convergence.py --lrs 1e-4 --steps 2000 --seeds 0 1 2 --workers 1 --reference ds_q8:amp \
+        --optimizers ds_q8:amp ds_q8:bf16 ds_q8:bf16cb --out launch/results/correction_byte/steps2000
 
 (add ``ds_q8:bf16rn`` for bf16 masters rounded to nearest).
 
