@@ -1,7 +1,7 @@
 """Train the same GPT with 8-bit and 32-bit optimizer state, fp32 and bf16 masters, Adam and Muon; write a
 report and plots.
 
-    python launch/compare.py                         # tiny GPT on CPU, seven runs, a few minutes
+    python launch/compare.py                         # tiny GPT on CPU, eight runs, a few minutes
     python launch/compare.py --runs 8bit 32bit       # just the first two
     python launch/compare.py --max_steps 2000 --config 8bit=ds_configs/gpt2_small_8bit_zero2.json \
         --config 32bit=MY_32BIT.json --launcher "deepspeed --num_gpus 8" -- --model gpt2
@@ -13,6 +13,8 @@ The runs (``--runs``; ``--config NAME=FILE`` replaces a run's DeepSpeed config):
 * ``bf16_states``: DeepSpeed's Adam with bf16 master weights and bf16 moments;
 * ``8bit_bf16``: Adam8bitBlock with bf16 master weights, written with stochastic rounding;
 * ``8bit_bf16_nosr``: the same rounded to nearest, to show what stochastic rounding buys;
+* ``8bit_bf16_corr``: bf16 masters with a correction byte (``"correction_byte": true``): an int8 of each
+  parameter's rounding residue, so the masters behave as 24-bit values written to nearest;
 * ``muon``: DeepSpeed's own Muon (``"type": "Muon"``: MuonWithAuxAdam, fp32 momentum, run by ZeRO-2),
   with torch's AdamW for the parameters Muon leaves out;
 * ``muon8bit``: ds_q8 Muon8bitBlock, the same tags, learning rates and schedule with 8-bit momentum and
@@ -46,6 +48,7 @@ RUNS = {
     "bf16_states": ("tiny_cpu_bf16_states.json", "32-bit Adam, bf16 masters and moments"),
     "8bit_bf16": ("tiny_cpu_8bit_bf16master.json", "8-bit, bf16 masters, stochastic rounding"),
     "8bit_bf16_nosr": ("tiny_cpu_8bit_bf16master_nosr.json", "8-bit, bf16 masters, round to nearest"),
+    "8bit_bf16_corr": ("tiny_cpu_8bit_bf16master_correction.json", "8-bit, bf16 masters, correction byte"),
     "muon": ("tiny_cpu_muon.json", "DeepSpeed Muon, fp32 momentum"),
     "muon8bit": ("tiny_cpu_muon8bit.json", "Muon8bitBlock, 8-bit momentum"),
 }
@@ -57,7 +60,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam, fp32 and bf16 masters, and 8-bit vs DeepSpeed's "
                                              "Muon, on the same GPT: report and loss plot.")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
-                    help="which runs, in this order (default: all seven)")
+                    help="which runs, in this order (default: all eight)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="the DeepSpeed config of run NAME (repeatable)")
     ap.add_argument("--save_dir", default=str(REPO / "out" / "compare"))
@@ -99,8 +102,10 @@ def load_run(save_dir: Path, run: str) -> dict:
 
 
 COLORS = {"32bit": "tab:orange", "8bit": "tab:blue", "bf16_states": "tab:green", "8bit_bf16": "tab:purple",
-          "8bit_bf16_nosr": "tab:red", "muon": "tab:brown", "muon8bit": "tab:cyan"}
+          "8bit_bf16_nosr": "tab:red", "8bit_bf16_corr": "tab:olive",
+          "muon": "tab:brown", "muon8bit": "tab:cyan"}
 STYLES = {"32bit": "-", "8bit": "--", "bf16_states": "-.", "8bit_bf16": ":", "8bit_bf16_nosr": (0, (5, 1, 1, 1)),
+          "8bit_bf16_corr": (0, (1, 1)),
           "muon": "-", "muon8bit": "--"}
 
 

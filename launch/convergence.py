@@ -23,6 +23,10 @@ Optimizers:
                            fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
                                     a 32-bit run that differs from torch's only in rounding (how far
                                     chaos alone moves a run)
+                           amp      fp32 masters, forward and backward under bf16 autocast
+                           bf16     bf16 parameters (masters), written with stochastic rounding;
+                                    bf16rn: rounded to nearest; bf16cb: with a correction byte
+                                    (correction_byte=True: 24-bit masters written to nearest)
   bnb          bitsandbytes' AdamW8bit, when bitsandbytes is installed (block 256)
   sim[:K+K]    AdamW whose states go through ds_q8.functional's block-wise quantization in plain
                PyTorch (slower), for changes the optimizer has no option for; sim alone rounds both
@@ -33,6 +37,15 @@ Optimizers:
                            sr       stochastic requantization of both states (srm: the first moment
                                     only, srv: the second moment only, as ds_q8 does)
                            bsN, emb32  as for ds_q8
+``--reference NAME`` (default torch) is the run the others are compared with, seed by seed; the
+table then also gives each run's weight drift from it (the relative L2 distance of the final weights).
+The masters study (fp32 against bf16 masters at a low learning rate) is one command:
+
+    python launch/convergence.py --lrs 1e-4 --steps 2000 --seeds 0 1 2 --workers 1 --reference ds_q8:amp \
+        --optimizers ds_q8:amp ds_q8:bf16 ds_q8:bf16cb --out launch/results/correction_byte/steps2000
+
+(add ``ds_q8:bf16rn`` for bf16 masters rounded to nearest).
+
 All runs use AdamW's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01), one intra-op thread.
 """
 from __future__ import annotations
@@ -56,7 +69,8 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
-DS_Q8_CHANGES = ("nearest", "emb32", "fp32")  # and bsN
+DS_Q8_CHANGES = ("nearest", "emb32", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN
+BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
 @dataclasses.dataclass
@@ -72,6 +86,7 @@ class Config:
     lrs: tuple = (1e-3, 4e-3, 1.6e-2)
     seeds: tuple = (0, 1, 2, 3, 4, 5)
     optimizers: tuple = ("torch", "ds_q8", "bnb")
+    reference: str = "torch"         # what the others are compared with
     schedule: str = "warmup-cosine"  # or "constant": the peak from step 0
     data: Optional[str] = None       # None: the standard library's source; a path; or "pydoc-topics"
 
@@ -219,18 +234,25 @@ def make_optimizer(name: str, model, lr: float, seed: int):
         if "emb32" in changes:
             for p in embeddings:
                 setattr(p, OPTIM_BITS_ATTR, 32)
+        masters = next((BF16_MASTERS[c] for c in changes if c in BF16_MASTERS), {})
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
                                     state_rounding="nearest" if "nearest" in changes else "stochastic",
-                                    optim_bits=32 if "fp32" in changes else 8)
+                                    optim_bits=32 if "fp32" in changes else 8, **masters)
     return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())
 
 
 # ---------------------------------------------------------------- one run
+def forward(model, x: torch.Tensor, amp: bool) -> torch.Tensor:
+    """fp32 logits; ``amp``: the model's matrix products in bf16 (autocast)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        return model(x).logits.float()
+
+
 @torch.no_grad()
-def evaluate(model, windows: torch.Tensor, cfg: Config) -> float:
+def evaluate(model, windows: torch.Tensor, cfg: Config, amp: bool = False) -> float:
     total = 0.0
     for chunk in windows.split(64):
-        logits = model(chunk[:, :-1]).logits
+        logits = forward(model, chunk[:, :-1], amp)
         total += float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), chunk[:, 1:].reshape(-1),
                                                          reduction="sum"))
     return total / (windows.shape[0] * cfg.context)
@@ -244,6 +266,10 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     torch.manual_seed(seed)
     model = gpt_models.build_model(gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB,
                                                              cfg.context))
+    changes = split_name(name)[1]
+    if any(c in BF16_MASTERS for c in changes):
+        model.to(torch.bfloat16)
+    amp = "amp" in changes
     opt = make_optimizer(name, model, lr, seed)
     t0 = time.time()
     losses, reason = [], ""
@@ -251,7 +277,7 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
         for g in opt.param_groups:
             g["lr"] = learning_rate(step, lr, cfg)
         x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(forward(model, x, amp).reshape(-1, VOCAB), y.reshape(-1))
         if not torch.isfinite(loss):
             reason = f"non-finite loss at step {step}"
             break
@@ -259,8 +285,9 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    final = float("nan") if reason else evaluate(model, windows, cfg)
-    return dict(optimizer=name, lr=lr, seed=seed, final_loss=final, reason=reason,
+    final = float("nan") if reason else evaluate(model, windows, cfg, amp)
+    weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return dict(optimizer=name, lr=lr, seed=seed, final_loss=final, reason=reason, weights=weights,
                 train_loss_last10=sum(losses[-10:]) / max(1, len(losses[-10:])), seconds=round(time.time() - t0, 1))
 
 
@@ -337,10 +364,23 @@ def drift_table(rows: List[dict]) -> str:
 
 
 # ---------------------------------------------------------------- the table
+def attach_drift(runs: List[dict], reference: str) -> None:
+    """Each run's ``drift``: ||w - w_ref|| / ||w_ref|| of its final weights against the reference run of its
+    seed and learning rate (its ``weights`` are dropped)."""
+    ref = {(r["lr"], r["seed"]): r["weights"] for r in runs if r["optimizer"] == reference}
+    for r in runs:
+        w, w_ref = r["weights"], ref.get((r["lr"], r["seed"]))
+        ok = w_ref is not None and bool(torch.isfinite(w).all())
+        r["drift"] = float((w - w_ref).norm() / w_ref.norm()) if ok else float("nan")
+    for r in runs:
+        del r["weights"]
+
+
 def summarize(runs: List[dict], cfg: Config) -> List[dict]:
     rows = []
-    base: Dict[float, List[float]] = {lr: [r["final_loss"] for r in runs if r["optimizer"] == "torch" and r["lr"] == lr]
-                                      for lr in cfg.lrs}
+    reference = cfg.reference
+    base: Dict[float, List[float]] = {lr: [r["final_loss"] for r in runs if r["optimizer"] == reference
+                                           and r["lr"] == lr] for lr in cfg.lrs}
     for name in cfg.optimizers:
         for lr in cfg.lrs:
             at = [r for r in runs if r["optimizer"] == name and r["lr"] == lr]
@@ -351,7 +391,7 @@ def summarize(runs: List[dict], cfg: Config) -> List[dict]:
             ref = [f for f in base[lr] if math.isfinite(f)]
             mean = sum(ok) / len(ok) if ok else float("nan")
             ref_mean = sum(ref) / len(ref) if ref else float("nan")
-            by_seed = {r["seed"]: r["final_loss"] for r in runs if r["optimizer"] == "torch" and r["lr"] == lr}
+            by_seed = {r["seed"]: r["final_loss"] for r in runs if r["optimizer"] == reference and r["lr"] == lr}
             paired = [100.0 * (r["final_loss"] / by_seed[r["seed"]] - 1.0) for r in at
                       if math.isfinite(r["final_loss"]) and math.isfinite(by_seed.get(r["seed"], float("nan")))]
             rows.append(dict(optimizer=name, lr=lr, runs=len(at), diverged=len(at) - len(ok), mean=mean,
@@ -360,22 +400,45 @@ def summarize(runs: List[dict], cfg: Config) -> List[dict]:
                              paired_sd=statistics.pstdev(paired) if len(paired) > 1 else float("nan"),
                              paired_worst=max(paired, key=abs) if paired else float("nan"),
                              worse_than_worst_32bit=sum(f > max(ref) for f in ok) + len(at) - len(ok) if ref else None,
-                             seconds=sum(r["seconds"] for r in at) / len(at)))
+                             seconds=sum(r["seconds"] for r in at) / len(at),
+                             drift=statistics.fmean(r["drift"] for r in at), vs_reference=mean - ref_mean))
     return rows
 
 
-def markdown_table(rows: List[dict]) -> str:
-    head = ["optimizer", "peak lr", "final val loss, mean", "range over seeds", "mean vs 32-bit",
-            "same seed vs 32-bit: spread (sd), worst", "seeds worse than 32-bit's worst", "diverged", "s / run"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def markdown_table(rows: List[dict], reference: str = "torch") -> str:
+    ref_name = "32-bit" if reference == "torch" else reference
+    head = ["optimizer", "peak lr", "final val loss, mean", "range over seeds", f"mean vs {ref_name}",
+            f"same seed vs {ref_name}: spread (sd), worst", f"seeds worse than {ref_name}'s worst", "diverged",
+            f"weight drift from {ref_name}", "s / run"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        ref = r["optimizer"] == "torch"
-        vs = "" if ref else f"{r['vs_32bit']:+.2f}%"
+        ref = r["optimizer"] == reference
+        vs = "" if ref else f"{r['vs_32bit']:+.2f}% ({r['vs_reference']:+.4f})"
         pair = "" if ref else f"{r['paired_sd']:.2f}%, {r['paired_worst']:+.2f}%"
         worse = "" if ref else f"{r['worse_than_worst_32bit']}/{r['runs']}"
+        drift = "" if ref else f"{r['drift']:.2e}"
         lines.append(f"| {r['optimizer']} | {r['lr']:g} | {r['mean']:.4f} | {r['lo']:.4f} - {r['hi']:.4f} | {vs} | "
-                     f"{pair} | {worse} | {r['diverged']}/{r['runs']} | {r['seconds']:.0f} |")
+                     f"{pair} | {worse} | {r['diverged']}/{r['runs']} | {drift} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def study_names(ap, args, cfg: Config) -> List[str]:
+    """The optimizers of ``--optimizers`` (checked; bnb left out when it is missing) and the reference,
+    first unless named; sets ``cfg.optimizers`` and ``cfg.reference``."""
+    names = list(args.optimizers or cfg.optimizers)
+    try:
+        for name in names + [args.reference or cfg.reference]:
+            check_optimizer_name(name)
+    except ValueError as e:
+        ap.error(str(e))
+    if "bnb" in names and not bnb_available():
+        print("bitsandbytes is not installed: its rows are left out (pip install bitsandbytes)")
+        names.remove("bnb")
+    cfg.reference = args.reference or cfg.reference
+    if cfg.reference not in names:
+        names.insert(0, cfg.reference)  # the reference of every comparison
+    cfg.optimizers = tuple(names)
+    return names
 
 
 def main(argv=None) -> int:
@@ -389,6 +452,7 @@ def main(argv=None) -> int:
     ap.add_argument("--schedule", choices=SCHEDULES, help="warmup-cosine (default) or constant (no warmup)")
     ap.add_argument("--data", help="text to train on: a file or folder, or pydoc-topics (default: the standard "
                                    "library's source)")
+    ap.add_argument("--reference", help="the run the others are compared with (default torch); added if not named")
     ap.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     ap.add_argument("--out", default="out/convergence", help="output folder")
     ap.add_argument("--drift", action="store_true",
@@ -436,18 +500,7 @@ def main(argv=None) -> int:
         print(header + table)
         print(f"{time.time() - t0:.0f} s; wrote {args.out}/drift.md")
         return 0
-    names = list(args.optimizers or cfg.optimizers)
-    try:
-        for name in names:
-            check_optimizer_name(name)
-    except ValueError as e:
-        ap.error(str(e))
-    if "bnb" in names and not bnb_available():
-        print("bitsandbytes is not installed: its rows are left out (pip install bitsandbytes)")
-        names.remove("bnb")
-    if "torch" not in names:
-        names.insert(0, "torch")  # the reference of every comparison
-    cfg.optimizers = tuple(names)
+    names = study_names(ap, args, cfg)
     jobs = [(name, lr, seed, cfg) for lr in cfg.lrs for seed in cfg.seeds for name in names]
     os.makedirs(args.out, exist_ok=True)
     t0, runs = time.time(), []
@@ -465,8 +518,9 @@ def main(argv=None) -> int:
             r = runs[-1]
             print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
                   f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
+    attach_drift(runs, cfg.reference)
     rows = summarize(runs, cfg)
-    table = markdown_table(rows)
+    table = markdown_table(rows, cfg.reference)
     schedule = ("constant learning rate, no warmup" if cfg.schedule == "constant"
                 else f"warmup {cfg.warmup} then cosine to 10%")
     text = {None: "the standard library's source", "pydoc-topics": "Python's documentation topics"}.get(cfg.data,

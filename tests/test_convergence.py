@@ -1,5 +1,6 @@
-"""launch/convergence.py, the convergence study: a tiny run prints its table, the simulated 8-bit AdamW
-with no change is ds_q8's nearest-rounded format, and bad arguments name the field."""
+"""launch/convergence.py, the convergence study: a tiny run prints its table, the masters study compares
+with its reference, the simulated 8-bit AdamW with no change is ds_q8's nearest-rounded format, and bad
+arguments name the field."""
 import json
 import sys
 
@@ -22,6 +23,20 @@ def test_a_small_study_prints_every_row(tmp_path):
     assert (tmp_path / "convergence.md").read_text().count("\n|") == 6  # head, rule, 4 rows
 
 
+@pytest.mark.slow
+def test_the_masters_study_compares_with_its_reference(tmp_path):
+    """bf16 masters (stochastic, nearest, correction byte) against fp32 masters under autocast: every
+    run has a drift from the reference run of its seed, the reference's own drift is zero."""
+    out = run([sys.executable, LAUNCH / "convergence.py", "--steps", "3", "--lrs", "1e-4", "--seeds", "0",
+               "--reference", "ds_q8:amp", "--optimizers", "ds_q8:bf16", "ds_q8:bf16rn", "ds_q8:bf16cb",
+               "--workers", "1", "--out", tmp_path], timeout=600).stdout
+    assert "| optimizer | peak lr | final val loss, mean | range over seeds | mean vs ds_q8:amp |" in out, out[-2000:]
+    runs = {r["optimizer"]: r for r in json.loads((tmp_path / "convergence.json").read_text())["runs"]}
+    assert set(runs) == {"ds_q8:amp", "ds_q8:bf16", "ds_q8:bf16rn", "ds_q8:bf16cb"}
+    assert runs["ds_q8:amp"]["drift"] == 0.0
+    assert all(0.0 < r["drift"] < 0.1 and r["final_loss"] > 0 for n, r in runs.items() if n != "ds_q8:amp")
+
+
 def test_sim_is_the_nearest_rounded_format():
     """SimAdamW8bit without changes quantizes like ds_q8 with state_rounding="nearest" (the codes of
     one step from zero state agree)."""
@@ -42,7 +57,8 @@ def test_sim_is_the_nearest_rounded_format():
                                         (["--optimizers", "ds_q8:m32"], "unknown change"),
                                         (["--optimizers", "sim:bs100"], "block size"),
                                         (["--steps", "0"], "--steps"), (["--lrs", "-1"], "--lrs"),
-                                        (["--workers", "0"], "--workers"), (["--batch", "0"], "--batch")])
+                                        (["--workers", "0"], "--workers"), (["--batch", "0"], "--batch"),
+                                        (["--reference", "ds_q8:bf8"], "unknown change")])
 def test_bad_arguments_name_the_field(argv, field, capsys):
     with pytest.raises(SystemExit):
         convergence.main(argv)
