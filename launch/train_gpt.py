@@ -142,7 +142,12 @@ def load_ds_config(args) -> dict:
     sched = cfg.get("scheduler", {}).get("params", {})
     if args.lr is not None:
         opt["lr"] = args.lr
-        if "warmup_max_lr" in sched:
+        if isinstance(sched.get("warmup_max_lr"), (int, float)):
+            # the warm-up keeps the config's shape: its start moves with the peak, so a peak below the
+            # config's start does not turn the warm-up into a decay
+            peak = sched["warmup_max_lr"]
+            if isinstance(sched.get("warmup_min_lr"), (int, float)) and peak > 0:
+                sched["warmup_min_lr"] = sched["warmup_min_lr"] * args.lr / peak
             sched["warmup_max_lr"] = args.lr
     if sched.get("total_num_steps") == "auto":
         sched["total_num_steps"] = args.max_steps

@@ -52,6 +52,10 @@ def test_config_auto_values_and_overrides(tmp_path):
     assert cfg["scheduler"]["params"]["total_num_steps"] == 77
     assert cfg["optimizer"]["params"]["lr"] == 0.01
     assert cfg["scheduler"]["params"]["warmup_max_lr"] == 0.01
+    # the warm-up's start moves with the peak (the tiny configs warm up from a tenth of it): a peak of
+    # 1e-4, below the config's start of 3e-4, still warms up
+    low = train_gpt.load_ds_config(train_gpt.parse_args(["--lr", "1e-4"]))["scheduler"]["params"]
+    assert low["warmup_max_lr"] == 1e-4 and low["warmup_min_lr"] == pytest.approx(1e-5)
     assert cfg["train_micro_batch_size_per_gpu"] == 3 and cfg["gradient_accumulation_steps"] == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
