@@ -32,7 +32,7 @@ def _num_states(optimizer: str) -> int:
     from .registry import OPTIMIZERS
 
     if optimizer in OPTIMIZERS:
-        return len(OPTIMIZERS[optimizer].state_signed)
+        return OPTIMIZERS[optimizer].rule.num_states
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
 
 

@@ -57,6 +57,11 @@ from helpers.plugin import (  # noqa: E402,F401 (hooks and a fixture, found here
 
 quiet()
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core (make test): each worker's torch keeps to one thread, as
+    # extra intra-op threads would only contend with the other worker's
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -78,13 +83,22 @@ def _deepspeed_shm_buffers():
         return set()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def remove_deepspeed_shm_buffers():
+def pytest_sessionstart(session):
+    """Note the /dev/shm buffers that exist before the run (see :func:`pytest_sessionfinish`)."""
+    session.config._ds_q8_shm_before = _deepspeed_shm_buffers()
+
+
+def pytest_sessionfinish(session, exitstatus):
     """DeepSpeed's CPU all-reduce leaves a 66 MiB /dev/shm buffer per rank per port when a process
     exits or is killed (and MPICH a 2 MiB one per mpirun job); the multi-rank tests launch dozens of
-    jobs. Remove the ones this session created (only those: other jobs may own the rest)."""
-    before = _deepspeed_shm_buffers()
-    yield
+    jobs. Remove the ones this run created (only those: other jobs may own the rest). Under pytest-xdist
+    only the controller does it, once every worker has finished: a worker that finished first would
+    otherwise remove the buffers of a job another worker is still running."""
+    if hasattr(session.config, "workerinput"):
+        return
+    before = getattr(session.config, "_ds_q8_shm_before", None)
+    if before is None:
+        return
     for name in _deepspeed_shm_buffers() - before:
         try:
             os.unlink(os.path.join(SHM_DIR, name))

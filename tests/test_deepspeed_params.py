@@ -11,6 +11,7 @@ import ds_q8
 from ds_q8.integration import engine_checks
 from ds_q8.integration.params import constructor_keys
 from ds_q8.optim.base import Optimizer8bitBlock
+from ds_q8.optim.rules import Rule
 
 
 def _params():
@@ -101,11 +102,11 @@ def _trained(cls, steps=3, **kw):
 def test_fp32_export_then_load_requantizes(cls, universal):
     p, opt = _trained(cls)
     sd = opt.state_dict()
-    assert sd["ds_q8"]["optimizer"] == cls.__name__ and sd["ds_q8"]["state_names"] == list(cls.state_names)
+    assert sd["ds_q8"]["optimizer"] == cls.__name__ and sd["ds_q8"]["state_names"] == list(cls.rule.state_names)
     exported = cls.export_fp32_state_dict(sd, universal=universal)
-    names = cls.universal_names() if universal else cls.state_names
+    names = cls.universal_names() if universal else cls.rule.state_names
     assert sorted(k for k in exported["state"][0] if k != "step") == sorted(names)
-    for tn, n in zip(cls.state_names, names):  # export is exact: codes times block maxima
+    for tn, n in zip(cls.rule.state_names, names):  # export is exact: codes times block maxima
         assert torch.equal(exported["state"][0][n], opt.dequantized_state(p)[tn])
     p2 = nn.Parameter(p.detach().clone())
     opt2 = cls([p2], block_size=256)
@@ -113,7 +114,7 @@ def test_fp32_export_then_load_requantizes(cls, universal):
     st2 = opt2.state[p2]
     assert st2["step"] == 3 and st2["state1"].dtype == torch.uint8 and st2["absmax1"].dtype == torch.bfloat16
     # requantizing dequantized values moves them by at most the map's resolution; most codes stay
-    for tn, n in zip(cls.state_names, names):
+    for tn, n in zip(cls.rule.state_names, names):
         want, got = exported["state"][0][n], opt2.dequantized_state(p2)[tn]
         assert float((want - got).abs().max()) <= 0.01 * float(want.abs().max())
     assert float((opt.state[p]["state1"] == st2["state1"]).float().mean()) > 0.99
@@ -155,8 +156,7 @@ def test_loading_with_another_block_size_is_refused_and_changes_nothing():
 
 def test_universal_names_refuse_more_than_two_states():
     class Three(Optimizer8bitBlock):
-        state_names = ("a", "b", "c")
-        state_signed = (True, True, False)
+        rule = Rule("three", ("a", "b", "c"), (True, True, False), None, has_kernel=False)
 
     with pytest.raises(ValueError, match="at most 2"):
         Three.universal_names()

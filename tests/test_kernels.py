@@ -5,6 +5,7 @@ Every instruction set this CPU supports is exercised (``ops.use_cpu_isa``), and 
 the kernel side with ``impl="kernel"`` (an error instead of a silent fallback) and checks
 ``ops.CALLS``, so a test cannot pass by comparing the reference with itself.
 """
+import dataclasses
 import inspect
 import math
 import os
@@ -16,6 +17,7 @@ import torch
 import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
+from ds_q8.optim import rules
 from ds_q8.optim import step as S
 from ds_q8.op_builder import Q8CPUBuilder
 
@@ -86,7 +88,7 @@ def test_step_extreme_gradients(isa):
 
 
 def unsigned_rules():
-    return [name for name, (cls, _) in RULES.items() if False in cls.state_signed]
+    return [name for name, (cls, _) in RULES.items() if False in cls.rule.state_signed]
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
@@ -108,7 +110,7 @@ def test_step_keeps_small_second_moments_positive(isa, rule, n, block_size):
     assert_same_run(kernel, reference)
     pk, ok = kernel
     state = ok.state[pk]
-    for i, signed in enumerate(cls.state_signed, start=1):
+    for i, signed in enumerate(ok.rule_of(pk).state_signed, start=1):
         if not signed:
             assert int((state[f"state{i}"] == 0).sum()) == 0
 
@@ -145,14 +147,12 @@ def test_limits_are_shared_with_python(cpu_op):
     """Block-size bounds and the number of states: one value in C++ (q8_common.h), the same in Python."""
     assert cpu_op.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
                                "max_states": F.MAX_STATES}
-    assert all(len(cls.state_signed) <= F.MAX_STATES for cls in ds_q8.OPTIMIZERS.values())
+    assert all(r.num_states <= F.MAX_STATES for r in vars(rules).values() if isinstance(r, rules.Rule))
 
 
 def test_every_python_rule_has_its_functor(cpu_op):
     """The rules of ds_q8/optim/rules.py and the kernels' Q8_RULES are the same set."""
-    from ds_q8.optim import rules
-
-    assert set(cpu_op.rules()) == {r.name for r in vars(rules).values() if isinstance(r, rules.Rule)}
+    assert set(cpu_op.rules()) == {r.kernel for r in vars(rules).values() if isinstance(r, rules.Rule) and r.has_kernel}
 
 
 @pytest.mark.parametrize("rule", list(RULES))
@@ -342,7 +342,7 @@ def test_unavailable_op_warns_once_and_uses_reference(monkeypatch):
 
 def test_unknown_rule_falls_back_with_one_warning(cpu_op, monkeypatch):
     class Renamed(ds_q8.Momentum8bitBlock):
-        update_rule = "not_a_kernel_rule"
+        rule = dataclasses.replace(rules.MOMENTUM, name="not_a_kernel_rule")
 
     monkeypatch.setattr(ops, "_warned", set())
     p = torch.nn.Parameter(torch.randn(5000))
@@ -394,7 +394,7 @@ def test_kernel_impl_refuses_what_no_kernel_takes(cpu_op, case):
     cls = ds_q8.Momentum8bitBlock
     if case == "rule":
         class Renamed(ds_q8.Momentum8bitBlock):
-            update_rule = "not_a_kernel_rule"
+            rule = dataclasses.replace(rules.MOMENTUM, name="not_a_kernel_rule")
         cls = Renamed
     p = torch.nn.Parameter(torch.randn(100, 50).t() if case == "non-contiguous" else torch.randn(5000))
     opt = cls([p], impl="kernel", block_size=None if case == "block_size=None" else 2048)

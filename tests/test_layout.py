@@ -104,8 +104,9 @@ def test_state_dict_without_layouts_is_refused_and_nothing_changes():
     opt, flat = opts[0], flats[0]
     values = opt.dequantized_state(flat)
     old_codes = {}
-    for i, name in enumerate(opt.state_names, start=1):
-        signed = opt.state_signed[i - 1]
+    rule = opt.rule_of(flat)
+    for i, name in enumerate(rule.state_names, start=1):
+        signed = rule.state_signed[i - 1]
         codes, absmax = ds_q8.functional.quantize_blockwise(values[name], ds_q8.create_dynamic_map(signed), 64)
         old_codes[f"state{i}"], old_codes[f"absmax{i}"] = codes, absmax
     old = {"state": {0: dict(old_codes, step=2)}, "param_groups": opt.state_dict()["param_groups"],

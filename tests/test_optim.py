@@ -88,7 +88,7 @@ def test_state_layout(name):
     p = o1.param_groups[0]["params"][0]
     st = o1.state[p]
     assert st["step"] == 2
-    k = len(o1.state_signed)
+    k = o1.rule_of(p).num_states
     for i in range(1, k + 1):
         assert st[f"state{i}"].dtype == torch.uint8 and st[f"state{i}"].shape == p.shape
         assert st[f"absmax{i}"].dtype == torch.bfloat16 and st[f"absmax{i}"].numel() == F.num_blocks(6400, 256)
@@ -336,7 +336,7 @@ def _format2(opt) -> dict:
             continue
         values = opt.dequantized_state(p)
         bs = opt.param_groups[0]["block_size"]
-        for i, (name, signed) in enumerate(zip(opt.state_names, opt.state_signed)):
+        for i, (name, signed) in enumerate(zip(opt.rule_of(p).state_names, opt.rule_of(p).state_signed)):
             x = values[name].reshape(-1)
             am = F.block_max(x, bs)  # float32, not rounded
             st[codes_key(i)] = F.quantize_with_absmax(x, am, F.create_dynamic_map(signed), bs).view(st[codes_key(i)].shape)

@@ -91,7 +91,7 @@ def test_only_unsigned_states_are_rounded_stochastically_and_nearest_is_an_optio
     for cls, kw in ((ds_q8.AdamW8bitBlock, {}), (ds_q8.RMSprop8bitBlock, dict(momentum=0.9)),
                     (ds_q8.Momentum8bitBlock, dict(momentum=0.9)), (ds_q8.Lion8bitBlock, {})):
         opt = cls([p], **kw)
-        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in opt.state_signed)
+        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in opt.rule_for(opt.param_groups[0]).state_signed)
         opt = cls([p], state_rounding="nearest", **kw)
         assert not any(opt.stochastic_states(opt.param_groups[0]))
     with pytest.raises(ValueError, match="state_rounding must be one of"):

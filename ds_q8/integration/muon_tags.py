@@ -8,12 +8,13 @@ applied twice). ds_q8 does the whole step itself, so while those calls run for a
 the tags are hidden from them, and ``_is_muon_group`` answers False.
 
 ``deepspeed.initialize`` tags parameters (``set_optimizer_flags``: 2-D and not named embed or
-lm_head) only for ``"type": "Muon"``; for ``Muon8bitBlock`` ds_q8 tags them the same way, so the
-default tagging under DeepSpeed is DeepSpeed's, names included.
+lm_head) only for ``"type": "Muon"``; for a ds_q8 class with ``tag_parameters`` (``Muon8bitBlock``) ds_q8
+tags them the same way, so the default tagging under DeepSpeed is DeepSpeed's, names included.
 """
 from __future__ import annotations
 
 from ..optim import Optimizer8bitBlock
+from .lookup import optimizer_classes
 
 TAG = "use_muon"
 
@@ -48,10 +49,9 @@ def _without_muon_tags(original):
 def _tag_for_muon8bit(original):
     def set_optimizer_flags(config_class, model):
         original(config_class, model)
-        name = str(getattr(config_class, "optimizer_name", "") or "")
-        if model is not None and name.lower() == "muon8bitblock":
-            from ..optim.muon import tag_muon
-
-            tag_muon(model)
+        name = str(getattr(config_class, "optimizer_name", "") or "").lower()
+        cls = {n.lower(): c for n, c in optimizer_classes().items()}.get(name)
+        if model is not None and cls is not None and cls.tag_parameters is not None:
+            cls.tag_parameters(model)
 
     return set_optimizer_flags

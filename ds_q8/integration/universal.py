@@ -72,7 +72,7 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     for pid, st in out["state"].items():
         st.pop(CORRECTION_KEY, None)  # travels in the ds_q8 folder, per parameter (ParamCodes)
         # each entry's own states (a Muon matrix has one, its optimizer's AdamW entries two)
-        own, _ = states_of_entry(marker, pid, cls.state_names, cls.state_signed)
+        own, _ = states_of_entry(marker, pid, cls.rule)
         names = [n for n in universal_names_for(own) if n is not None]
         for missing in UNIVERSAL_STATE_NAMES:
             if st and missing not in names:
@@ -128,7 +128,7 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
         if not st or desc is None or not has_storage(st):
             continue
         g = group_of[pid]
-        names, signed = states_of_entry(marker, pid, marker["state_names"], marker["state_signed"])
+        names, signed = states_of_entry(marker, pid)
         k = len(names)
         qs = QuantizedState.of_saved(st, desc, signed, g["quantization"])
         for si, seg, first, codes, absmax, values in qs.segment_params():

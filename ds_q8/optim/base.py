@@ -16,7 +16,6 @@ runs (``rule``, from ``rules.py``). Everything else is shared and lives in one p
 from __future__ import annotations
 
 import collections
-import dataclasses
 import inspect
 import math
 import warnings
@@ -64,25 +63,18 @@ def _with_options(init) -> inspect.Signature:
 
 
 class Optimizer8bitBlock(torch.optim.Optimizer):
-    #: the update rule (``rules.py``); a subclass may instead set the three names below, which
-    #: otherwise mirror the rule: the kernels' name for it, the states' names and their maps.
-    #: An optimizer whose groups run different rules (Muon and its auxiliary AdamW) overrides
-    #: :meth:`rule_for`; ``rule`` stays the class's default, the one its class-level names describe.
-    rule: Rule = Rule("", (), (), None)
-    update_rule: str = ""
-    state_names: tuple = ()
-    state_signed: tuple = ()
-    needs_norms: bool = False
+    #: the class's update rule (``rules.py``): every group's, unless a subclass's :meth:`rule_for`
+    #: answers per group (Muon and its auxiliary AdamW; RMSprop with or without momentum). The one
+    #: question the rest of the code asks is :meth:`rule_for`; this default names the states in the
+    #: checkpoint marker's header and in the class-level conversions that have no groups.
+    rule: Optional[Rule] = None
+    #: a function that tags a model's parameters for the groups this class forms (Muon8bitBlock's
+    #: ``use_muon``), which DeepSpeed's ``set_optimizer_flags`` calls on the model; None: no tags
+    tag_parameters: Optional[Callable[[torch.nn.Module], object]] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        own = cls.__dict__
-        if "rule" not in own and any(k in own for k in ("update_rule", "state_names", "state_signed")):
-            cls.rule = dataclasses.replace(cls.rule, name=cls.update_rule, state_names=tuple(cls.state_names),
-                                           state_signed=tuple(cls.state_signed))
-        cls.update_rule, cls.state_names, cls.state_signed = cls.rule.name, cls.rule.state_names, cls.rule.state_signed
-        cls.needs_norms = cls.rule.needs_norms
-        init = own.get("__init__")
+        init = cls.__dict__.get("__init__")
         if init is not None and any(p.kind == inspect.Parameter.VAR_KEYWORD
                                     for p in inspect.signature(init).parameters.values()):
             init.__signature__ = _with_options(init)
@@ -119,21 +111,26 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         super().__init__(params, dict(options, **defaults))
 
     def rule_for(self, group: dict) -> Rule:
-        """The rule that steps ``group``'s tensors (every group: :attr:`rule`, unless overridden).
+        """The rule that steps ``group``'s tensors (the class's :attr:`rule`, unless overridden).
 
         Everything that depends on a tensor's states (their number, names and maps, the storage
-        keys, the saved marker, the step) asks this, through :meth:`rule_of` for a tensor."""
+        keys, the saved marker, the report, the step) asks this, through :meth:`rule_of` for a tensor."""
+        if self.rule is None:
+            raise NotImplementedError(f"{type(self).__name__} names no update rule: set the class attribute "
+                                      "'rule' (ds_q8.optim.rules) or override rule_for(group)")
         return self.rule
 
     def rule_of(self, p: torch.Tensor) -> Rule:
         """The rule of an optimized tensor's group (a ZeRO partition's: its layout's group)."""
         return self.rule_for(self._state_group(p))
 
-    def _use_rule(self, rule: Rule) -> None:
-        """Give this instance its own rule (an optimizer whose states depend on its arguments)."""
-        self.rule = rule
-        self.update_rule, self.state_names, self.state_signed = rule.name, rule.state_names, rule.state_signed
-        self.needs_norms = rule.needs_norms
+    @property
+    def state_names(self) -> tuple:
+        """Every state name the groups' rules use, in group order (one rule: its names)."""
+        names = []
+        for group in self.param_groups:
+            names += [n for n in self.rule_for(group).state_names if n not in names]
+        return tuple(names)
 
     # torch pickles only defaults, state and param_groups; keep the step policy and its counter too
     def __getstate__(self):
@@ -446,30 +443,31 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     @classmethod
     def universal_names(cls) -> tuple:
         """The names this optimizer's states carry in DeepSpeed universal checkpoints."""
-        return state_io.universal_names_for(cls.state_names)
+        return state_io.universal_names_for(cls.rule.state_names)
 
     def state_dict(self) -> dict:
         self.settle()
         sd = super().state_dict()
         layouts, tensor_states, index = {}, {}, 0
+        head = type(self).rule
         for group in self.param_groups:
             rule = self.rule_for(group)
             for p in group["params"]:
                 if p in self.state:
                     layouts[index] = self.layout_of(p, group).describe()
-                    if rule.state_names != self.state_names or rule.state_signed != self.state_signed:
+                    if rule.state_names != head.state_names or rule.state_signed != head.state_signed:
                         tensor_states[index] = state_io.tensor_states(rule.state_names, rule.state_signed)
                 index += 1
-        # entries whose group runs the class's rule are described by the marker's names; only the others
+        # entries whose group runs the class's rule are described by the marker's header; only the others
         # name their states (so an optimizer with one rule writes the marker it always wrote)
-        sd[state_io.STATE_DICT_MARKER] = state_io.marker(type(self).__name__, self.state_names, self.state_signed,
+        sd[state_io.STATE_DICT_MARKER] = state_io.marker(type(self).__name__, head.state_names, head.state_signed,
                                                          layouts, tensor_states)
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep every state tensor in the dtype it was saved with, check
         everything before replacing anything, and refuse keys it does not know (``state_io.py``)."""
-        state_dict = state_io.upgraded(state_dict, self.param_groups, self.state_names, self.state_signed)
+        state_dict = state_io.upgraded(state_dict, self.param_groups, type(self).rule)
         plans = state_io.plan_load(self, state_dict)
         # nothing has changed so far: now replace
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -484,7 +482,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """A copy of a saved ``state_dict`` with every state as fp32 under torch's names (``universal``:
         under the names DeepSpeed universal checkpoints expect). Needs no parameters: the state names,
         maps and layouts come from the saved marker. The values are the dequantized codes, exactly."""
-        return state_io.export_fp32(state_dict, cls.state_names, cls.state_signed, universal)
+        return state_io.export_fp32(state_dict, cls.rule, universal)
 
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False,
                           group: Optional[dict] = None) -> bool:

@@ -17,11 +17,7 @@ from . import rules
 from .base import OPTIM_BITS_ATTR, Optimizer8bitBlock
 from .checks import beta_hyper, check_adam_group, check_range
 
-#: Muon's rule: one signed state named as DeepSpeed names it; the momentum part is element-wise
-#: (no fused kernel: the reference path, which quantizes and dequantizes with functional.py's
-#: block-wise ops), Newton-Schulz runs per whole matrix (``path_matrix.py``)
-MUON = rules.Rule("", ("momentum_buffer",), (True,), rules.muon_momentum, matrix=rules.muon_matrix,
-                  apply=rules.muon_apply)
+MUON = rules.MUON  # re-exported: Muon groups' rule
 
 #: name fragments DeepSpeed's ``set_optimizer_flags`` keeps out of Muon (embeddings, output head)
 AUX_NAME_KEYS = ("embed", "lm_head")
@@ -87,7 +83,8 @@ class Muon8bitBlock(Optimizer8bitBlock):
     keeps its slices' codes; a matrix cut by a partition edge is formed whole from the ranks' slices of
     its Muon direction (``path_matrix.exchange``), so the step is the same bits at every world size.
     """
-    rule = rules.ADAMW  # the class's rule: the auxiliary AdamW groups; Muon groups: MUON (rule_for)
+    rule = rules.ADAMW  # the class's default rule (the auxiliary AdamW groups); Muon groups: MUON (rule_for)
+    tag_parameters = staticmethod(tag_muon)  # DeepSpeed's tagging for "type": "Muon", for this class too
 
     def __init__(self, params, lr=None, muon_lr=None, adam_lr=None, momentum=0.95, nesterov=True, ns_method="gram",
                  ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **options):

@@ -41,9 +41,9 @@ def kernel_rule(rule: Rule, group: dict, items) -> Tuple[Optional[str], bool]:
     strict = impl == "kernel"
     if impl == "reference" or not items:
         return None, strict
-    if not rule.name:
-        _no_kernel(items, strict, "this update rule has no fused kernel")
-    return rule.name or None, strict
+    if rule.kernel is None:
+        _no_kernel(items, strict, f"update rule {rule.name!r} has no fused kernel")
+    return rule.kernel, strict
 
 
 def _module_with_rule(device, name: str, strict: bool, batch):

@@ -119,7 +119,7 @@ def exchange(layout, d: torch.Tensor) -> Dict[int, torch.Tensor]:
 
 
 #: the direction's codec follows the group's impl, as for a rule without a fused kernel
-MATRIX_CODEC_RULE = Rule("", ("direction",), (True,), None)
+MATRIX_CODEC_RULE = Rule("direction", ("direction",), (True,), None, has_kernel=False)
 
 
 def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Tensor]:

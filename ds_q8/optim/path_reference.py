@@ -59,7 +59,7 @@ class BlockCodec(NamedTuple):
 def block_codec(rule: Rule, group: dict) -> Optional[BlockCodec]:
     """The compiled codec where ``rule`` has no fused kernel and the group may use kernels
     (``impl`` not ``"reference"``); None: functional.py's."""
-    if rule.name or group.get("impl", "auto") == "reference":
+    if rule.has_kernel or group.get("impl", "auto") == "reference":
         return None
     return BlockCodec(_kernel_quantize, _kernel_dequantize)
 

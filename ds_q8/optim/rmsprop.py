@@ -18,8 +18,7 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
     refused: it takes a square root of ``square_avg - grad_avg**2``, a difference of two separately
     quantized values that can turn negative.
     """
-    # the class's rule is without momentum; an instance built with momentum takes the other one
-    rule = rules.RMSPROP
+    rule = rules.RMSPROP  # the class's default; an instance built with momentum: RMSPROP_MOMENTUM (rule_for)
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
                  **options):
@@ -28,10 +27,16 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
                              "square_avg - grad_avg**2 can turn negative once both are quantized; use centered=False")
         params = list(params)
         group_momentum = [g.get("momentum", 0.0) for g in params if isinstance(g, dict)]
-        if any(_is_positive(m) for m in [momentum] + group_momentum):
-            self._use_rule(rules.RMSPROP_MOMENTUM)
+        #: whether the state has a momentum buffer: fixed at construction for every group
+        self.momentum_state = any(_is_positive(m) for m in [momentum] + group_momentum)
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
                                       centered=centered), **options)
+
+    def __getstate__(self):
+        return dict(super().__getstate__(), momentum_state=self.momentum_state)
+
+    def rule_for(self, group: dict) -> rules.Rule:
+        return rules.RMSPROP_MOMENTUM if self.momentum_state else rules.RMSPROP
 
     def _check_group(self, group: dict) -> None:
         check_range("alpha", group["alpha"], 0.0, 1.0)
@@ -40,7 +45,7 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
         check_range("momentum", group["momentum"], 0.0, 1.0, hi_open=True)
         if group["centered"]:
             raise ValueError("centered must be False for RMSprop8bitBlock (see the class docstring)")
-        if group["momentum"] > 0 and len(self.state_signed) == 1:
+        if group["momentum"] > 0 and not self.momentum_state:
             raise ValueError(f"momentum must be 0 in this group, got {group['momentum']}: the optimizer was built "
                              "without momentum, so its state has no momentum buffer; build it with momentum > 0")
 

@@ -31,6 +31,9 @@ Hyper = Dict[str, float]
 
 @dataclass(frozen=True)
 class Rule:
+    """An update rule. ``name`` identifies it (in checkpoints' telemetry and errors, and, where
+    ``has_kernel``, to the compiled kernels: their ``Q8_RULES``, which must list exactly the rules of
+    this module that have one; ``tests/test_kernels.py`` checks it)."""
     name: str
     state_names: Tuple[str, ...]
     state_signed: Tuple[bool, ...]
@@ -39,6 +42,13 @@ class Rule:
     norm_hyper: Optional[Callable[[Hyper, List[float]], Hyper]] = None
     matrix: Optional[Callable[[torch.Tensor, Hyper], torch.Tensor]] = None
     apply: Optional[Callable[[torch.Tensor, torch.Tensor, Hyper], None]] = None
+    #: whether the compiled kernels step this rule (under ``name``); False: the reference path steps it
+    has_kernel: bool = True
+
+    @property
+    def kernel(self) -> Optional[str]:
+        """The kernels' name for this rule, or None where it has no fused kernel."""
+        return self.name if self.has_kernel else None
 
     @property
     def num_states(self) -> int:
@@ -299,10 +309,12 @@ def _muon_apply(p, o, h):
     p.sub_(o * h["lr"])
 
 
-# The Rule itself (MUON) is made in optim/muon.py: it has no fused kernel, and the rules of this module
-# are the set the kernels' Q8_RULES must match (tests/test_kernels.py).
-muon_momentum, muon_matrix, muon_apply = _muon_momentum, _muon_matrix, _muon_apply
+#: Muon's rule: one signed state named as DeepSpeed names it; the momentum part is element-wise with no
+#: fused kernel (the reference path, whose block codec may be the compiled one), Newton-Schulz runs per
+#: whole matrix (``path_matrix.py``)
+MUON = Rule("muon", ("momentum_buffer",), (True,), _muon_momentum, matrix=_muon_matrix, apply=_muon_apply,
+            has_kernel=False)
 
 
-__all__ = ["Rule", "muon_momentum", "muon_matrix", "muon_apply", "newton_schulz", "gram_newton_schulz", "muon_scale", "NS_COEFFICIENTS", "NS_METHODS",
+__all__ = ["Rule", "MUON", "newton_schulz", "gram_newton_schulz", "muon_scale", "NS_COEFFICIENTS", "NS_METHODS",
            "ADEMAMIX", "ADAM", "ADAMW", "MOMENTUM", "RMSPROP", "RMSPROP_MOMENTUM", "ADAGRAD", "LAMB", "LARS", "LION"]

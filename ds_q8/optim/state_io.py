@@ -24,6 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from .qstate import QuantizedState, storage_keys
+from .rules import Rule
 
 # DeepSpeed's universal checkpoints know only Adam's two state names. An optimizer whose states
 # include both travels under them by name, its other states only as codes (AdEMAMix's exp_avg_slow,
@@ -67,14 +68,16 @@ def tensor_states(state_names, state_signed) -> dict:
     return {"state_names": list(state_names), "state_signed": list(state_signed)}
 
 
-def states_of_entry(mark: dict, pid, state_names, state_signed) -> Tuple[tuple, tuple]:
+def states_of_entry(mark: dict, pid, rule: Optional[Rule] = None) -> Tuple[tuple, tuple]:
     """The state names and maps of saved entry ``pid``: its own where the marker lists them, else the
-    marker's (else the given ones)."""
+    marker header's (else ``rule``'s: the reading class's default)."""
     own = (mark.get("tensor_states") or {})
     own = own.get(pid, own.get(str(pid)))
     if own is not None:
         return tuple(own["state_names"]), tuple(own["state_signed"])
-    return tuple(mark.get("state_names", state_names)), tuple(mark.get("state_signed", state_signed))
+    names = mark.get("state_names", () if rule is None else rule.state_names)
+    signed = mark.get("state_signed", () if rule is None else rule.state_signed)
+    return tuple(names), tuple(signed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,7 +116,7 @@ def _saved_layout(mark: dict, pid) -> dict:
 
 
 # ---------------------------------------------------------------------------- offline export
-def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = False) -> dict:
+def export_fp32(state_dict: dict, rule: Optional[Rule], universal: bool = False) -> dict:
     """A copy of a saved ``state_dict`` with every state as fp32 under torch's names (or, with
     ``universal``, DeepSpeed's). The names, maps and layouts come from the saved marker where it has
     them. A ZeRO partition's values are partition-long, with zeros in padding."""
@@ -125,7 +128,7 @@ def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = F
         g = group_of.get(pid)
         if g is None:
             raise ValueError(f"state entry {pid} belongs to no parameter group")
-        entry_names, signed = states_of_entry(mark, pid, state_names, state_signed)
+        entry_names, signed = states_of_entry(mark, pid, rule)
         names = universal_names_for(entry_names) if universal else entry_names
         if not st or fp32_names_in(st, entry_names) == tuple(names):
             out_state[pid] = copy.copy(st)
@@ -141,7 +144,7 @@ def export_fp32(state_dict: dict, state_names, state_signed, universal: bool = F
 
 
 # ---------------------------------------------------------------------------- loading
-def upgraded(state_dict: dict, live_groups: Sequence[dict], state_names, state_signed) -> dict:
+def upgraded(state_dict: dict, live_groups: Sequence[dict], rule: Optional[Rule]) -> dict:
     """A format-2 ``state_dict`` (float32 block maxima) as one that loads into this version: every 8-bit
     entry as its exact fp32 values under torch's names (the loader requantizes them into the live
     layout), and each group's ``block_size`` the live group's, so that the requantized state and the
@@ -149,7 +152,7 @@ def upgraded(state_dict: dict, live_groups: Sequence[dict], state_names, state_s
     mark = state_dict.get(STATE_DICT_MARKER) if isinstance(state_dict, dict) else None
     if not isinstance(mark, dict) or mark.get("format") != 2 or not isinstance(state_dict.get("state"), dict):
         return state_dict
-    out = export_fp32(state_dict, state_names, state_signed)
+    out = export_fp32(state_dict, rule)
     groups = out["param_groups"]
     if len(groups) == len(live_groups):
         for saved, live in zip(groups, live_groups):
@@ -178,7 +181,7 @@ def plan_load(opt, state_dict: dict) -> List[Tuple[torch.Tensor, dict]]:
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
         raise ValueError("optimizer state_dict must have 'state' (dict) and 'param_groups' (list)")
     mark = state_dict.get(STATE_DICT_MARKER) or {}
-    _check_marker(mark, opt)
+    _check_marker(mark)
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(
             f"checkpoint has {len(saved_groups)} parameter groups, this optimizer has {len(opt.param_groups)}")
@@ -193,11 +196,13 @@ def plan_load(opt, state_dict: dict) -> List[Tuple[torch.Tensor, dict]]:
             st = saved_state.get(pid)
             if not st:
                 continue
-            saved_names, _ = states_of_entry(mark, pid, opt.state_names, opt.state_signed)
+            saved_names, _ = states_of_entry(mark, pid, rule)  # unnamed in the marker: as the live group
             if saved_names != tuple(rule.state_names):
-                raise ValueError(f"checkpoint state of tensor {pid} (group {gi}) keeps states {list(saved_names)}, "
-                                 f"this {type(opt).__name__} keeps {list(rule.state_names)} for its group: the "
-                                 "groups were split or tagged differently (e.g. use_muon)")
+                raise ValueError(f"checkpoint state of tensor {pid} (group {gi}) of "
+                                 f"{mark.get('optimizer', 'an optimizer')} keeps states {list(saved_names)}, this "
+                                 f"{type(opt).__name__} keeps {list(rule.state_names)} for its group: use the "
+                                 "optimizer and settings that wrote it (RMSprop's momentum), with its groups split "
+                                 "and tagged as they were (Muon's use_muon)")
             bad = sorted(str(k) for k in st if k not in known)
             if bad:
                 raise ValueError(f"checkpoint state of tensor {pid} has unknown keys {bad}; "
@@ -220,14 +225,10 @@ def restored_entry(st: dict, device) -> dict:
     return out
 
 
-def _check_marker(mark: dict, opt) -> None:
+def _check_marker(mark: dict) -> None:
+    """The marker's own shape; what it says of each entry's states is checked entry by entry."""
     if not isinstance(mark, dict):
         raise ValueError(f"the '{STATE_DICT_MARKER}' entry of the state_dict must be a dict")
-    saved_names = mark.get("state_names")
-    if saved_names is not None and tuple(saved_names) != tuple(opt.state_names):
-        raise ValueError(f"checkpoint of {mark.get('optimizer', 'an optimizer')} keeps states "
-                         f"{list(saved_names)}, this {type(opt).__name__} keeps {list(opt.state_names)}: use the "
-                         "optimizer (and settings, e.g. momentum) that wrote it")
 
 
 def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict, mark: dict, pid) -> None:
