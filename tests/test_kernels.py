@@ -18,7 +18,6 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.optim import rules
-from ds_q8.optim import step as S
 from ds_q8.op_builder import Q8CPUBuilder
 
 from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both

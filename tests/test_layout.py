@@ -33,7 +33,7 @@ def test_partitions_step_like_whole_parameters(name, world, stage):
         for k in want:
             assert torch.equal(want[k], states[i][k]), f"parameter {i} state {k} differs"
     if world > 1:
-        assert any(opt._layouts[f].shared8 for opt, f in zip(opts, [o.param_groups[0]["params"][0] for o in opts]))
+        assert any(opt.tensors.layouts[f].shared8 for opt, f in zip(opts, [o.param_groups[0]["params"][0] for o in opts]))
         assert shared["calls"][0] >= 4  # the edge maxima (and LAMB's norms) were agreed every step
 
 
@@ -44,7 +44,7 @@ def test_block_held_by_three_ranks():
     got, states, opts, flats, _ = run_sharded(ds_q8.Adam8bitBlock, sizes, 8, 2, 3, dict(KW, lr=1e-2))
     for p, q in zip(params, got):
         assert torch.equal(p.detach(), q)
-    layouts = [opt._layouts[f] for opt, f in zip(opts, flats)]
+    layouts = [opt.tensors.layouts[f] for opt, f in zip(opts, flats)]
     assert any(len(lay.shared8) == 2 and lay.segments[0].numel < 64 for lay in layouts)
 
 
@@ -65,7 +65,7 @@ def test_min_8bit_size_is_judged_on_the_whole_parameter():
     # a 5000-element parameter cut into a 100-element partition slice stays 8-bit; a 50-element one fp32
     got, states, opts, flats, _ = run_sharded(ds_q8.Adam8bitBlock, [5000, 50], 50, 2, 1,
                                               dict(block_size=64, min_8bit_size=4096))
-    lay = opts[-1]._layouts[flats[-1]]
+    lay = opts[-1].tensors.layouts[flats[-1]]
     assert [s.eight_bit for s in lay.segments] == [True, False]
     assert opts[0].state[flats[0]]["state1"].numel() == 101  # rank 0: 101 elements of the big parameter
 
@@ -78,7 +78,7 @@ def test_flat_state_dict_roundtrip_and_refusals():
     assert len(desc["segments"]) == len(SIZES) and sd[STATE_DICT_MARKER]["format"] == 3
     assert torch.is_tensor(sd["state"][0]["step"])
     fresh = ds_q8.AdamW8bitBlock([flat], **dict(KW, lr=1e-2))
-    fresh.register_layout(flat, opt._layouts[flat])
+    fresh.register_layout(flat, opt.tensors.layouts[flat])
     fresh.load_state_dict(copy.deepcopy(sd))
     for k, v in opt.state[flat].items():
         assert torch.equal(v, fresh.state[flat][k]), k

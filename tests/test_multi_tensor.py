@@ -195,7 +195,7 @@ def run_pair_32bit(cls, kw, steps=3):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("rule", [r for r in RULES if not RULES[r][0].needs_norms])
+@pytest.mark.parametrize("rule", [r for r in RULES if not RULES[r][0].rule.needs_norms])
 def test_32bit_state_fused_step_bit_identical_to_reference(isa, rule, monkeypatch):
     calls = []
     real = S.fused_step_fp32_many

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ds_q8
-from ds_q8.optim import rules
+from ds_q8.optim import path_matrix, rules
 from ds_q8.optim.layout import Segment, StateLayout, shared_blocks
 from ds_q8.optim.muon import default_use_muon, tag_muon
 
@@ -314,9 +314,9 @@ def run_sharded_muon(world, stage, steps, kw):
         for gi, ((members, sizes, parts, lengths, segs, slots), flat) in enumerate(zip(plans, flats)):
             opt.param_groups[gi]["params"] = [flat]
             layout = StateLayout(flat.shape, segs[r], BLOCK, comm=ThreadComm(world, r, shared), slots=slots,
-                                 num_slots=len(slots), num_params=len(members), group=opt.param_groups[gi],
+                                 num_slots=len(slots), num_params=len(members),
                                  group_index=gi, param_shapes=[MAT_SHAPES[i] for i in members])
-            opt.register_layout(flat, layout)
+            opt.register_layout(flat, layout, opt.param_groups[gi])
         ranks.append((opt, flats))
 
     def loop(r):
@@ -343,7 +343,7 @@ def run_sharded_muon(world, stage, steps, kw):
                 for k, v in dq.items():
                     states[i].setdefault(k, torch.zeros(masters[i].numel()))[pstart:pstart + numel] = \
                         v.view(-1)[start:start + numel]
-    exchanged = sum(opt._layouts[flats[0]].exchanged_bytes for opt, flats in ranks)
+    exchanged = sum(path_matrix.exchanged_bytes(opt.tensors.layouts[flats[0]]) for opt, flats in ranks)
     return [o.view(s) for o, s in zip(out, MAT_SHAPES)], states, exchanged
 
 

@@ -389,13 +389,13 @@ def test_each_tensor_finds_its_group_after_the_groups_change():
     """The parameter-to-group map is made again when groups or their lists change, also in place."""
     a, b, c = (torch.nn.Parameter(torch.randn(4096)) for _ in range(3))
     opt = ds_q8.AdamW8bitBlock([a], lr=1e-3)
-    assert opt._find_group(a) is opt.param_groups[0]
+    assert opt.tensors.find_group(a) is opt.param_groups[0]
     opt.add_param_group({"params": [b], "lr": 2e-3})
-    assert opt._find_group(b) is opt.param_groups[1]
+    assert opt.tensors.find_group(b) is opt.param_groups[1]
     opt.param_groups[1]["params"][0] = c  # replaced in place: the same list, the same length
-    assert opt._find_group(c) is opt.param_groups[1]
+    assert opt.tensors.find_group(c) is opt.param_groups[1]
     with pytest.raises(KeyError, match="not managed"):
-        opt._find_group(b)
+        opt.tensors.find_group(b)
     for p in (a, c):
         p.grad = torch.randn_like(p)
     opt.step()

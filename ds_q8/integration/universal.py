@@ -277,7 +277,7 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     folder = checkpoint_folder(load_dir, tag, universal=True)
     folder = None if folder is None else str(folder)
     cache: dict = {}
-    for tensor, layout in list(opt._layouts.items()):
+    for tensor, layout in list(opt.tensors.layouts.items()):
         if layout.group is None:
             continue  # an ordinary parameter (ZeRO-0 has no universal checkpoints)
         held = [seg for seg in layout.segments if seg.numel]

@@ -181,12 +181,12 @@ def attach(wrapper) -> int:
         comm = comms.setdefault(id(part.process_group), TorchDistComm(part.process_group))
         layout = StateLayout(part.tensor.shape, part.segments, part.group["block_size"], comm=comm,
                              slots=part_slots, num_slots=len(part_slots), num_params=len(part.params),
-                             group=part.group, param_shapes=part.shapes,
+                             param_shapes=part.shapes,
                              # the group's index names its parameters in stochastic rounding's random
                              # bits, as for unwrapped parameters: with it missing, every group of a
                              # partitioned optimizer drew group 0's bits (Muon's AdamW group is group 1)
                              group_index=part.group_index)
-        base.register_layout(part.tensor, layout)
+        base.register_layout(part.tensor, layout, part.group)
         held = {seg.param_index: si for si, seg in enumerate(layout.segments)}
         for idx, (p, shape) in enumerate(zip(part.params, part.shapes)):
             numel = int(getattr(p, "ds_numel", p.numel()))

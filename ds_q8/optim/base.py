@@ -4,11 +4,13 @@ A concrete optimizer supplies its hyperparameters (constructor defaults and ``_c
 step scalars (``_hyper``: python floats computed once per group and step) and which update rule it
 runs (``rule``, from ``rules.py``). Everything else is shared and lives in one place each:
 
-  * the state of each optimized tensor: ``qstate.py`` (:class:`QuantizedState`, over a
+  * which tensors it steps, with each one's layout and state: ``tensor_states.py`` (the registry);
+    the state itself: ``qstate.py`` (:class:`QuantizedState`, over a
     :class:`~ds_q8.optim.layout.StateLayout`: which slices of which parameters it holds, 8-bit or
     fp32 per parameter, blocks aligned to parameter starts);
-  * the step: ``step.py`` (a function of the rule and the tensors' steps, kernels or reference);
-  * saving, loading and converting state: ``state_io.py``;
+  * the step: ``step.py`` (a function of the rule and the tensors' steps, kernels or reference),
+    its non-finite decision: ``nonfinite.py``;
+  * saving, loading and converting state, and adopting fp32 state a loader wrote: ``state_io.py``;
   * the options every optimizer takes (:data:`OPTIONS`): written once, here.
 
 ``block_size=None`` in a group means one block (one absmax) per parameter, for ablations.
@@ -17,38 +19,25 @@ from __future__ import annotations
 
 import collections
 import inspect
-import math
-import warnings
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .. import functional as F
 from . import nonfinite as NF
-from . import qstate, rounding, state_io, telemetry
+from . import state_io, telemetry
 from . import step as S
 from .checks import check_common_group, check_optimizer_kwargs
 from .layout import StateLayout
 from .qstate import QuantizedState, has_storage, is_8bit
 from .rules import Rule
-
-#: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
-OPTIM_BITS_ATTR = "ds_q8_optim_bits"
+from .tensor_states import OPTIM_BITS_ATTR, TensorStates, uses_8bit
 
 #: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
 #: the others are each group's)
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
                quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
                correction_byte=False, impl="auto", nonfinite="skip")
-
-
-def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> bool:
-    """Whether an original parameter keeps 8-bit state: judged on its full size, its group and its
-    ``ds_q8_optim_bits`` mark, never on the size of a partition that holds part of it."""
-    if getattr(param, OPTIM_BITS_ATTR, None) == 32:
-        return False
-    n = param.numel() if numel is None else numel
-    return group["optim_bits"] == 8 and n >= group["min_8bit_size"]
 
 
 def _with_options(init) -> inspect.Signature:
@@ -93,13 +82,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self.nonfinite = NF.check_mode(options.pop("nonfinite"))
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
         self.skipped_steps = 0
-        # optimized tensor -> StateLayout; ZeRO integration registers its flat partitions here,
-        # ordinary parameters get a one-segment layout on first use
-        self._layouts: Dict[torch.Tensor, StateLayout] = {}
-        self._qstates: Dict[torch.Tensor, QuantizedState] = {}
-        # ids of the tensors the optimizer was given: a tensor it steps that is not among them and has
-        # no registered layout came from an unknown flattening wrapper
-        self._given_ids: set = set()
+        #: each optimized tensor's layout and quantized state (ZeRO integration registers its flat
+        #: partitions; ordinary parameters get a one-segment layout on first use)
+        self.tensors = TensorStates(self)
         #: how each step decided that its gradients were finite: "norm" (a gradient norm that DeepSpeed
         #: computed for this step, see :attr:`grad_norm_source`) or "pass" (a read of every gradient)
         self.nonfinite_checks: collections.Counter = collections.Counter()
@@ -137,7 +122,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         state = super().__getstate__()
         state["nonfinite"] = self.nonfinite
         state["skipped_steps"] = self.skipped_steps
-        for transient in ("_layouts", "_qstates",  # rebuilt on use (a ZeRO layout holds a process group)
+        for transient in ("tensors",  # rebuilt on use (a ZeRO layout holds a process group)
                           "grad_norm_source",  # belongs to the engine that set it
                           "_pending_skips",  # device events
                           "_telemetry"):  # device sums of one run
@@ -149,12 +134,14 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         # torch's load_state_dict also comes through here with only state and param_groups
         self.nonfinite = state.pop("nonfinite", getattr(self, "nonfinite", "skip"))
         self.skipped_steps = state.pop("skipped_steps", getattr(self, "skipped_steps", 0))
-        for name, make in (("_layouts", dict), ("_qstates", dict), ("_given_ids", set),
-                           ("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None),
+        for name, make in (("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None),
                            ("_pending_skips", NF.PendingSkips), ("_telemetry", lambda: None)):
             if not hasattr(self, name):
                 setattr(self, name, make())
         super().__setstate__(state)
+        if not hasattr(self, "tensors"):  # unpickled: every parameter of the groups was given
+            self.tensors = TensorStates(self)
+            self.tensors.given_ids.update(id(p) for g in self.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ hyperparameters
     def add_param_group(self, param_group: dict) -> None:
@@ -166,7 +153,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         except ValueError:
             self.param_groups.pop()
             raise
-        self._given_ids.update(id(p) for p in group["params"])
+        self.tensors.given_ids.update(id(p) for p in group["params"])
 
     def _check_group(self, group: dict) -> None:
         """Validate optimizer-specific hyperparameters (override)."""
@@ -191,77 +178,23 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         return S.maps_of(self.rule_for(group), group, device)
 
     # ------------------------------------------------------------------ layouts
-    def register_layout(self, tensor: torch.Tensor, layout: StateLayout) -> None:
-        """Say which parameters ``tensor`` holds (ZeRO integration calls this for its partitions)."""
-        if layout.numel != tensor.numel():
-            raise ValueError(f"layout of {layout.numel} elements for a tensor of {tensor.numel()}")
-        self._layouts[tensor] = layout
-        self._qstates.pop(tensor, None)
+    def register_layout(self, tensor: torch.Tensor, layout: StateLayout, group: Optional[dict] = None) -> None:
+        """Say which parameters ``tensor`` holds (ZeRO integration calls this for its partitions), and
+        its group where a wrapper keeps the tensor out of the groups (ZeRO-3)."""
+        self.tensors.register_layout(tensor, layout, group)
 
     def layout_of(self, p: torch.Tensor, group: Optional[dict] = None) -> StateLayout:
         """The state layout of an optimized tensor (an ordinary parameter: one segment, all of it)."""
-        layout = self._layouts.get(p)
-        if layout is None:
-            group = self._find_group(p) if group is None else group
-            if self.rule_for(group).needs_norms and id(p) not in self._given_ids:
-                gi = next((i for i, g in enumerate(self.param_groups) if g is group), "?")
-                raise RuntimeError(
-                    f"{type(self).__name__} scales each parameter's update by a norm of the whole parameter, but "
-                    f"parameter group {gi} now holds a tensor of {p.numel()} elements that it was not given and "
-                    "whose parameter boundaries it does not know: a wrapper flattened the parameters into "
-                    "partitions. DeepSpeed's ZeRO stages 1-3 and bf16 optimizer are known (import ds_q8 before "
-                    "deepspeed.initialize); with another wrapper use an element-wise optimizer such as "
-                    "AdamW8bitBlock or Lion8bitBlock.")
-            gi, pi, count = self._position(p, group)
-            layout = StateLayout.for_parameter(p, uses_8bit(p, group), group["block_size"], param_index=pi,
-                                               group_index=gi, num_params=count)
-            self._layouts[p] = layout
-        return layout
-
-    def _position(self, p: torch.Tensor, group: dict):
-        """(group index, position among the group's trainable parameters, their number) of ``p``:
-        the order DeepSpeed's ZeRO partitions keep, so that a parameter has one identity everywhere."""
-        gi = next((i for i, g in enumerate(self.param_groups) if g is group), 0)
-        trainable = [q for q in group["params"] if q.requires_grad]
-        if not any(q is p for q in trainable):  # a tensor stepped by hand: its place among all of them
-            trainable = group["params"]
-        pi = next((i for i, q in enumerate(trainable) if q is p), 0)
-        return gi, pi, max(1, len(trainable))
-
-    def _find_group(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
-            if any(q is p for q in group["params"]):
-                return group
-        raise KeyError("parameter is not managed by this optimizer")
+        return self.tensors.layout_of(p, group)
 
     def _state_group(self, p: torch.Tensor) -> dict:
-        """The group of an optimized tensor, also when a wrapper (ZeRO-3) took it out of the groups."""
-        layout = self._layouts.get(p)
-        return layout.group if layout is not None and layout.group is not None else self._find_group(p)
+        return self.tensors.group_of(p)
 
     # ------------------------------------------------------------------ state
     def quantized_state(self, p: torch.Tensor, group: Optional[dict] = None, create: bool = True) -> QuantizedState:
         """The :class:`QuantizedState` of an optimized tensor, its storage created on first use
         (``create=False``: as it is, possibly empty)."""
-        entry = self.state[p]
-        qs = self._qstates.get(p)
-        if qs is None or qs.entry is not entry:
-            group = self._state_group(p) if group is None else group
-            qs = self._qstates[p] = QuantizedState(entry, self.layout_of(p, group),
-                                                   self.rule_for(group).state_signed, group["quantization"])
-        if create and "step" not in entry:
-            return self._create_state(p, group, entry)
-        return qs
-
-    def _create_state(self, p: torch.Tensor, group: Optional[dict] = None, entry: Optional[dict] = None):
-        """Fresh state for ``p`` (its step 0), in ``entry`` or a new entry of ``self.state``."""
-        group = self._state_group(p) if group is None else group
-        entry = {} if entry is None else entry
-        qs = QuantizedState.create(entry, self.layout_of(p, group), self.rule_for(group).state_signed,
-                                   group["quantization"], p.device, self._initial_state(group))
-        self.state[p] = entry
-        self._qstates[p] = qs
-        return qs
+        return self.tensors.quantized_state(p, group, create)
 
     @staticmethod
     def is_8bit_state(state: dict) -> bool:
@@ -305,7 +238,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             if not bool(torch.isfinite(v).all()):
                 raise ValueError(f"state '{name}' contains NaN or Inf")
             flat.append(v)
-        qs = self._create_state(p)
+        qs = self.tensors.create_state(p)
         qs.entry["step"] = torch.tensor(float(int(step.item()) if torch.is_tensor(step) else int(step)))
         qs.write(flat, shared_absmax)
 
@@ -360,63 +293,15 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                     raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
                 work.append((group, p))
         self.settle()
-        flag = None  # CUDA: the skip decision as a device tensor that the kernels read
-        if self.nonfinite != "off":
-            if NF.skip_on_device(self, work):
-                norm = self.grad_norm_source() if self.grad_norm_source is not None else None
-                self.nonfinite_checks["norm" if norm is not None else "device"] += 1
-                flag = NF.device_flag([p.grad for _, p in work], norm)
-            elif not self._grads_finite(work):
-                if self.nonfinite == "raise":
-                    raise FloatingPointError(
-                        f"{self.__class__.__name__}: a gradient contains NaN or Inf; nothing was updated "
-                        "(nonfinite='raise'; use 'skip' to skip such steps)"
-                    )
-                NF.report_skip(self)
-                return loss
-        # tensor steps by rule, in the order the groups first use them (one rule: one list, as before)
-        by_rule: Dict[int, tuple] = {}
-        counters = []
-        hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
-        states_random = {id(g): any(self.stochastic_states(g)) for g in self.param_groups}
-        for group, p in work:
-            self._adopt_fp32_state(p, self.state[p], group=group)
-            qs = self.quantized_state(p, group)
-            self._match_correction(qs.entry, group, p)
-            step_t = qs.entry["step"]
-            if not torch.is_tensor(step_t):  # an int written by a loader
-                step_t = qs.entry["step"] = torch.tensor(float(step_t))
-            step_t += 1
-            counters.append(qs.entry)
-            count = int(step_t.item())
-            h = hypers.get((id(group), count))
-            if h is None:
-                h = hypers[(id(group), count)] = self._hyper(group, count)
-            layout = qs.layout
-            rule = self.rule_for(group)
-            random = self.stochastic_params(group, p) or (layout.has8 and states_random[id(group)])
-            sums = None if self._telemetry is None else self._telemetry.sums_for(p, layout, rule.num_states, count)
-            t = S.TensorStep(p, p.grad, qs, group, h, None,
-                             rounding.step_key(group.get("sr_seed", 0), count) if random else None, sums)
-            if rule.needs_norms:
-                t = t._replace(segment_hyper=S.segment_hypers(rule, t))
-            by_rule.setdefault(id(rule), (rule, []))[1].append(t)
+        go, flag = NF.decide(self, work)
+        if not go:
+            return loss
+        by_rule, counters = S.tensor_steps(self, work)
         for rule, steps in by_rule.values():
             S.step(rule, steps, skip=flag)
         if flag is not None:
             self._pending_skips.add(flag, counters)
         return loss
-
-    @staticmethod
-    def _match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
-        """Give a bf16 tensor its correction bytes when its group asks for them (zeros: the master is
-        exactly the bf16 value, as after a load from a checkpoint without them), and drop bytes that a
-        group without the option would leave stale."""
-        if S.corrected(group, p.dtype):
-            if qstate.CORRECTION_KEY not in entry:
-                entry[qstate.CORRECTION_KEY] = torch.zeros(p.numel(), dtype=torch.int8, device=p.device)
-        else:
-            entry.pop(qstate.CORRECTION_KEY, None)
 
     def settle(self) -> None:
         """Take in the skip decisions of earlier CUDA steps (see ``optim/nonfinite.py``): a skipped
@@ -424,20 +309,6 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         ``state_dict()`` call it; call it before reading ``skipped_steps`` right after a CUDA step."""
         if self._pending_skips.entries:
             self._pending_skips.settle(self)
-
-    def _grads_finite(self, work) -> bool:
-        """Whether every gradient on every rank is finite.
-
-        A gradient norm that DeepSpeed already computed for this step (with gradient clipping, on by
-        default) answers it: the norm is finite exactly when every gradient element is, and it is
-        the same on every rank. Otherwise every gradient is read (one compiled pass on CPU)."""
-        norm = self.grad_norm_source() if self.grad_norm_source is not None else None
-        if norm is not None:
-            self.nonfinite_checks["norm"] += 1
-            return math.isfinite(float(norm))
-        self.nonfinite_checks["pass"] += 1
-        use_kernel = any(S.group_impl(g) != "reference" for g in self.param_groups)
-        return NF.grads_all_finite([p.grad for _, p in work], use_kernel)
 
     # ------------------------------------------------------------------ saving and loading (state_io.py)
     @classmethod
@@ -472,7 +343,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         # nothing has changed so far: now replace
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self.state.clear()
-        self._qstates.clear()
+        self.tensors.qstates.clear()
         for p, st in plans:
             self.state[p] = state_io.restored_entry(st, p.device)
             self._adopt_fp32_state(p, self.state[p], collective=True)
@@ -486,80 +357,23 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
 
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False,
                           group: Optional[dict] = None) -> bool:
-        """Requantize state that a loader wrote as fp32 under torch's or universal names.
-
-        DeepSpeed's universal-checkpoint loader writes fp32 ``exp_avg``/``exp_avg_sq`` and ``step``
-        straight into ``optimizer.state``; this turns them into codes and block maxima. Returns True
-        when the state was replaced. On a sharded ZeRO partition requantizing takes an all-reduce, so
-        it happens only when every rank does it together (``collective=True``, as the checkpoint hook
-        and :meth:`adopt_loaded_state` do). ``group``: the tensor's group where the caller knows it (the
-        step does: finding it scans every group's list, which per tensor made a step quadratic)."""
-        group = self._state_group(p) if group is None else group
-        state_names = self.rule_for(group).state_names
-        names = state_io.fp32_names_in(state, state_names)
-        if names is None:
-            return False  # the usual case: one set test per tensor and step
-        layout = self.layout_of(p, group)
-        if layout.sharded and not collective:
-            raise RuntimeError(
-                f"{type(self).__name__}: fp32 state ({', '.join(names)}) was written into a ZeRO partition "
-                "outside a checkpoint load; call optimizer.adopt_loaded_state() on every rank before stepping")
-        values = {tn: state[n] for tn, n in zip(state_names, names) if n is not None}
-        absent = [tn for tn in state_names if tn not in values]
-        if absent:  # a universal checkpoint without ds_q8's codes carries two states only
-            warnings.warn(f"{type(self).__name__}: the checkpoint has no {', '.join(absent)} (a universal checkpoint "
-                          "written without ds_q8's codes carries exp_avg and exp_avg_sq only); starting it from zero",
-                          RuntimeWarning, stacklevel=2)
-            values.update({tn: torch.zeros(layout.numel) for tn in absent})
-        self.load_dequantized_state(p, values, state.get("step", 0))
-        return True
+        """Requantize state that a loader wrote as fp32 (``state_io.adopt_fp32``)."""
+        return state_io.adopt_fp32(self, p, state, collective, group)
 
     def adopt_loaded_state(self) -> int:
         """Requantize fp32 state that a loader wrote straight into ``self.state``; call on every rank.
 
         ``step`` does this by itself for ordinary parameters; the DeepSpeed checkpoint hook does it
         for ZeRO partitions. Returns the number of tensors converted."""
-        count = 0
-        sharded = [p for p, lay in self._layouts.items() if lay.sharded]
-        for p in sharded:  # every rank, in registration order: the same order everywhere
-            count += int(self.adopt_tensor_collectively(p))
-        done = set(map(id, sharded))
-        for p in list(self.state):
-            if id(p) not in done:
-                count += bool(self._adopt_fp32_state(p, self.state[p]))
-        return count
+        return state_io.adopt_loaded(self)
 
     def adopt_tensor_collectively(self, p: torch.Tensor) -> bool:
         """Requantize fp32 state of one sharded tensor if any rank has some; call on every rank."""
-        st = self.state[p]
-        layout = self._layouts[p]
-        has = state_io.fp32_names_in(st, self.rule_of(p).state_names) is not None
-        flag = torch.tensor([1.0 if has else 0.0])
-        layout.comm.all_reduce_max(flag)
-        if float(flag) == 0.0:
-            return False
-        if has:
-            return self._adopt_fp32_state(p, st, collective=True)
-        # another rank got fp32 state for this tensor: requantize what is here along with it
-        values = self.dequantized_state(p) or {n: torch.zeros(layout.numel) for n in self.rule_of(p).state_names}
-        self.load_dequantized_state(p, values, st.get("step", 0))
-        return False
+        return state_io.adopt_collectively(self, p)
 
     def restore_codes(self, p: torch.Tensor, saved: Dict[str, dict]) -> None:
-        """Rebuild a tensor's state after a universal load, code for code (``saved``: each parameter's
-        whole state as ``to-universal`` wrote it; see :meth:`QuantizedState.restore_params`). ``step``
-        is the loader's."""
-        step = self.state[p].get("step", 0)
-        qs = self._create_state(p)
-        qs.entry["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
-        qs.restore_params(saved)
-        if S.corrected(self._state_group(p), p.dtype):  # the bytes saved with each parameter, else zeros
-            corr = torch.zeros(p.numel(), dtype=torch.int8)
-            for seg in qs.layout.segments:
-                have = saved.get(seg.name, {}).get(qstate.CORRECTION_KEY) if seg.numel else None
-                if have is not None:
-                    corr[seg.start:seg.end] = have.reshape(-1)[seg.param_start:seg.param_end]
-            qs.entry[qstate.CORRECTION_KEY] = corr.to(p.device)
+        """Rebuild a tensor's state after a universal load, code for code (``state_io.restore_codes``)."""
+        state_io.restore_codes(self, p, saved, S.corrected(self._state_group(p), p.dtype))
 
 
 __all__ = ["Optimizer8bitBlock", "OPTIONS", "uses_8bit", "OPTIM_BITS_ATTR"]

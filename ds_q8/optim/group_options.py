@@ -4,13 +4,16 @@ requantized, and its states' maps. The options' defaults are ``base.OPTIONS`` an
 ``checks.py``."""
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
 from .. import functional as F
 from . import qstate
 from .rules import Rule
+
+if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for the annotation
+    from .pieces import TensorStep
 
 def group_impl(group: dict) -> str:
     """A group's ``impl`` (groups saved before the option existed are ``"auto"``)."""

@@ -109,8 +109,7 @@ class StateLayout:
 
     def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
                  comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
-                 num_slots: int = 0, num_params: Optional[int] = None, group: Optional[dict] = None,
-                 group_index: int = 0, param_shapes: Optional[Sequence[tuple]] = None):
+                 num_slots: int = 0, num_params: Optional[int] = None, group_index: int = 0, param_shapes: Optional[Sequence[tuple]] = None):
         self.shape = tuple(shape)
         self.numel = 1
         for d in self.shape:
@@ -119,8 +118,6 @@ class StateLayout:
         self.block_size = block_size
         self.comm = comm
         self.num_slots = int(num_slots)
-        #: the optimizer's parameter group, for a tensor that a wrapper takes out of the groups (ZeRO-3)
-        self.group = group
         #: that group's index; with each segment's ``param_index`` (its parameter's position among the
         #: group's trainable parameters) it names the parameter in stochastic rounding's random bits
         self.group_index = int(group_index)
@@ -132,8 +129,17 @@ class StateLayout:
         #: is the tensor's). Whole-matrix rules (Muon) need it to see a partition's slices as matrices;
         #: not part of :meth:`describe`, so saved layouts are unchanged.
         self.param_shapes = None if param_shapes is None else tuple(tuple(int(d) for d in s) for s in param_shapes)
-        #: payload bytes this tensor sent into whole-matrix exchanges (``path_matrix.exchange``), a measurement
-        self.exchanged_bytes = 0
+        self._check_segments()
+        self._cut(block_size, slots)
+        #: whether the state has codes (``state{i}``, ``absmax{i}``) and fp32 values (``state{i}_fp32``)
+        self.has8 = any(s.eight_bit for s in self.segments)
+        self.has32 = any(not s.eight_bit for s in self.segments)
+        #: one 8-bit segment covering the whole tensor from its parameter's start: state shaped like the tensor
+        self.whole8 = (len(self.segments) == 1 and self.segments[0].eight_bit and self.num_codes == self.numel
+                       and not self.shared8)
+        self.whole32 = len(self.segments) == 1 and not self.segments[0].eight_bit and self.num_fp32 == self.numel
+
+    def _check_segments(self) -> None:
         prev = 0
         for s in self.segments:
             if s.start < prev or s.end > self.numel or s.numel < 0:
@@ -141,6 +147,10 @@ class StateLayout:
             if s.param_start < 0 or s.param_end > s.param_numel:
                 raise ValueError(f"segment {s} reaches outside its parameter of {s.param_numel} elements")
             prev = s.end
+
+    def _cut(self, block_size: Optional[int], slots: Optional[Dict[Tuple[int, int], int]]) -> None:
+        """Cut the segments into pieces: whole blocks (``pieces8``), the parts of blocks that partition
+        edges cut (``shared8``, each with its slot) and fp32 pieces, with each segment's storage offsets."""
         self.pieces8: List[Piece] = []
         self.shared8: List[Piece] = []
         self.pieces32: List[Piece] = []
@@ -185,13 +195,6 @@ class StateLayout:
         self.pieces8.sort(key=lambda p: p.start)
         self.shared8.sort(key=lambda p: p.start)
         self.num_codes, self.num_blocks, self.num_fp32 = n8, nb, n32
-        #: whether the state has codes (``state{i}``, ``absmax{i}``) and fp32 values (``state{i}_fp32``)
-        self.has8 = any(s.eight_bit for s in self.segments)
-        self.has32 = any(not s.eight_bit for s in self.segments)
-        #: one 8-bit segment covering the whole tensor from its parameter's start: state shaped like the tensor
-        self.whole8 = (len(self.segments) == 1 and self.segments[0].eight_bit and n8 == self.numel
-                       and not self.shared8)
-        self.whole32 = len(self.segments) == 1 and not self.segments[0].eight_bit and n32 == self.numel
 
     # ------------------------------------------------------------------ construction
     @classmethod

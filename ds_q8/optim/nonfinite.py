@@ -17,6 +17,7 @@ which then takes back the step counts that the skipped step had advanced.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import List
 
@@ -58,14 +59,14 @@ def grads_all_finite(grads: List[torch.Tensor], use_kernel: bool = True) -> bool
     return not bool(flag.item())
 
 
-def report_skip(optimizer) -> None:
+def report_skip(optimizer, stacklevel: int = 3) -> None:
     optimizer.skipped_steps += 1
     if optimizer.skipped_steps % 100 == 1:
         warnings.warn(
             f"{optimizer.__class__.__name__}: non-finite gradient, step skipped "
             f"({optimizer.skipped_steps} skipped so far; parameters and state unchanged)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=stacklevel,
         )
 
 
@@ -121,3 +122,30 @@ def skip_on_device(optimizer, work) -> bool:
     gradient a CUDA tensor, and some group using kernels."""
     return (optimizer.nonfinite == "skip" and bool(work) and all(p.grad.is_cuda for _, p in work)
             and any(group_impl(g) != "reference" for g in optimizer.param_groups))
+
+
+def decide(optimizer, work):
+    """This step's non-finite decision: ``(go, flag)``. ``go`` False: skip the step (counted and
+    reported here) or raise (``"raise"``). ``flag``: on CUDA, the decision as a device tensor that the
+    kernels read, with no host synchronisation (None elsewhere)."""
+    if optimizer.nonfinite == "off":
+        return True, None
+    source = optimizer.grad_norm_source
+    norm = source() if source is not None else None  # DeepSpeed's global norm for this step, if any
+    if skip_on_device(optimizer, work):
+        optimizer.nonfinite_checks["norm" if norm is not None else "device"] += 1
+        return True, device_flag([p.grad for _, p in work], norm)
+    # a norm is finite exactly when every gradient element is, on every rank; otherwise read them all
+    optimizer.nonfinite_checks["norm" if norm is not None else "pass"] += 1
+    if norm is not None:
+        finite = math.isfinite(float(norm))
+    else:
+        finite = grads_all_finite([p.grad for _, p in work],
+                                  any(group_impl(g) != "reference" for g in optimizer.param_groups))
+    if finite:
+        return True, None
+    if optimizer.nonfinite == "raise":
+        raise FloatingPointError(f"{type(optimizer).__name__}: a gradient contains NaN or Inf; nothing was updated "
+                                 "(nonfinite='raise'; use 'skip' to skip such steps)")
+    report_skip(optimizer, stacklevel=4)  # the warning points at the caller of step()
+    return False, None

@@ -4,6 +4,7 @@ slice of the parameter, the same bits at every world size."""
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -68,11 +69,27 @@ def matrix_pass(rule: Rule, t: TensorStep, held: List[torch.Tensor]) -> None:
         del o, full
 
 
+#: per layout, kept with the step rather than on the layout (which is geometry): the agreed cut
+#: parameters (:func:`split_params`), and the payload bytes each tensor sent into whole-matrix
+#: exchanges (:func:`exchanged_bytes`, a measurement)
+_SPLIT_PARAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_EXCHANGED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def exchanged_bytes(layout) -> int:
+    """Payload bytes this tensor's matrices sent into whole-matrix exchanges so far."""
+    return _EXCHANGED.get(layout, 0)
+
+
+def _count_exchange(layout, buf: torch.Tensor) -> None:
+    _EXCHANGED[layout] = _EXCHANGED.get(layout, 0) + buf.numel() * buf.element_size()
+
+
 def split_params(layout) -> Dict[int, Tuple[int, bool]]:
     """The parameters of a sharded tensor that partition edges cut, every rank's view the same:
     ``{param_index: (numel, 8-bit state)}``, in index order. Agreed once per layout with two
     all-reduces (which ranks hold partial slices; the parameters' sizes and kinds) and kept."""
-    cached = layout.__dict__.get("_split_params")
+    cached = _SPLIT_PARAMS.get(layout)
     if cached is not None:
         return cached
     partial = torch.zeros(layout.num_params, dtype=torch.float32)
@@ -87,7 +104,7 @@ def split_params(layout) -> Dict[int, Tuple[int, bool]]:
     layout.comm.all_reduce_max(known)
     out = {i: (int(known[i]), bool(known[layout.num_params + i] > 0)) for i in range(layout.num_params)
            if float(partial[i]) > 0}
-    layout.__dict__["_split_params"] = out
+    _SPLIT_PARAMS[layout] = out
     return out
 
 
@@ -114,7 +131,7 @@ def exchange(layout, d: torch.Tensor) -> Dict[int, torch.Tensor]:
             buf[o + seg.param_start:o + seg.param_end] = d[seg.start:seg.end]
             held.add(seg.param_index)
     layout.comm.all_reduce_sum(buf)
-    layout.exchanged_bytes += buf.numel() * buf.element_size()
+    _count_exchange(layout, buf)
     return {pi: buf[offsets[pi]:offsets[pi] + cut[pi][0]] for pi in sorted(held)}
 
 
@@ -170,7 +187,7 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
                         (fp32_buf, layout.comm.all_reduce_sum)):
         if buf.numel():  # every rank agrees which are empty (split_params)
             reduce(buf)
-            layout.exchanged_bytes += buf.numel() * buf.element_size()
+            _count_exchange(layout, buf)
     # the maxima travel as float32 (exact; every backend reduces it) and are stored values again here
     absmax_buf = absmax_buf.to(F.ABSMAX_DTYPE)
     for si, (seg, *_) in held.items():

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .qstate import QuantizedState, storage_keys
+from .qstate import CORRECTION_KEY, QuantizedState, storage_keys
 from .rules import Rule
 
 # DeepSpeed's universal checkpoints know only Adam's two state names. An optimizer whose states
@@ -271,6 +271,86 @@ def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict,
         st, f"a tensor of shape {tuple(p.shape)}", type(opt).__name__)
 
 
+# ---------------------------------------------------------------------------- fp32 state written by loaders
+def adopt_fp32(opt, p: torch.Tensor, state: dict, collective: bool = False, group: Optional[dict] = None) -> bool:
+    """Requantize state that a loader wrote as fp32 under torch's or universal names into ``opt``'s codes.
+
+    DeepSpeed's universal-checkpoint loader writes fp32 ``exp_avg``/``exp_avg_sq`` and ``step`` straight
+    into ``optimizer.state``; this turns them into codes and block maxima. Returns True when the state
+    was replaced. On a sharded ZeRO partition requantizing takes an all-reduce, so it happens only when
+    every rank does it together (``collective=True``). ``group``: the tensor's group where the caller
+    knows it (the step does: finding it scans every group's list, which per tensor made a step quadratic)."""
+    group = opt.tensors.group_of(p) if group is None else group
+    state_names = opt.rule_for(group).state_names
+    names = fp32_names_in(state, state_names)
+    if names is None:
+        return False  # the usual case: one set test per tensor and step
+    layout = opt.layout_of(p, group)
+    if layout.sharded and not collective:
+        raise RuntimeError(
+            f"{type(opt).__name__}: fp32 state ({', '.join(filter(None, names))}) was written into a ZeRO "
+            "partition outside a checkpoint load; call optimizer.adopt_loaded_state() on every rank before stepping")
+    values = {tn: state[n] for tn, n in zip(state_names, names) if n is not None}
+    absent = [tn for tn in state_names if tn not in values]
+    if absent:  # a universal checkpoint without ds_q8's codes carries two states only
+        warnings.warn(f"{type(opt).__name__}: the checkpoint has no {', '.join(absent)} (a universal checkpoint "
+                      "written without ds_q8's codes carries exp_avg and exp_avg_sq only); starting it from zero",
+                      RuntimeWarning, stacklevel=3)
+        values.update({tn: torch.zeros(layout.numel) for tn in absent})
+    opt.load_dequantized_state(p, values, state.get("step", 0))
+    return True
+
+
+def adopt_loaded(opt) -> int:
+    """Requantize the fp32 state a loader wrote into ``opt.state``, every tensor; call on every rank.
+    Sharded tensors go first, in registration order (the same on every rank). Returns the count."""
+    count = 0
+    sharded = [p for p, lay in opt.tensors.layouts.items() if lay.sharded]
+    for p in sharded:
+        count += int(adopt_collectively(opt, p))
+    done = set(map(id, sharded))
+    for p in list(opt.state):
+        if id(p) not in done:
+            count += bool(adopt_fp32(opt, p, opt.state[p]))
+    return count
+
+
+def adopt_collectively(opt, p: torch.Tensor) -> bool:
+    """Requantize fp32 state of one sharded tensor if any rank has some; call on every rank."""
+    st = opt.state[p]
+    layout = opt.tensors.layouts[p]
+    names = opt.rule_of(p).state_names
+    has = fp32_names_in(st, names) is not None
+    flag = torch.tensor([1.0 if has else 0.0])
+    layout.comm.all_reduce_max(flag)
+    if float(flag) == 0.0:
+        return False
+    if has:
+        return adopt_fp32(opt, p, st, collective=True)
+    # another rank got fp32 state for this tensor: requantize what is here along with it
+    values = opt.dequantized_state(p) or {n: torch.zeros(layout.numel) for n in names}
+    opt.load_dequantized_state(p, values, st.get("step", 0))
+    return False
+
+
+def restore_codes(opt, p: torch.Tensor, saved: dict, corrected: bool) -> None:
+    """Rebuild a tensor's state after a universal load, code for code (``saved``: each parameter's whole
+    state as ``to-universal`` wrote it; see :meth:`QuantizedState.restore_params`); ``step`` is the
+    loader's. ``corrected``: the tensor keeps correction bytes (those saved with each parameter, else 0)."""
+    step = opt.state[p].get("step", 0)
+    qs = opt.tensors.create_state(p)
+    qs.entry["step"] = torch.tensor(float(step.item() if torch.is_tensor(step) else step))
+    qs.restore_params(saved)
+    if corrected:
+        corr = torch.zeros(p.numel(), dtype=torch.int8)
+        for seg in qs.layout.segments:
+            have = saved.get(seg.name, {}).get(CORRECTION_KEY) if seg.numel else None
+            if have is not None:
+                corr[seg.start:seg.end] = have.reshape(-1)[seg.param_start:seg.param_end]
+        qs.entry[CORRECTION_KEY] = corr.to(p.device)
+
+
 __all__ = ["STATE_DICT_MARKER", "STATE_FORMAT", "READABLE_FORMATS", "upgraded", "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
            "tensor_states", "states_of_entry",
-           "fp32_names_in", "export_fp32", "plan_load", "restored_entry"]
+           "fp32_names_in", "export_fp32", "plan_load", "restored_entry", "adopt_fp32", "adopt_loaded",
+           "adopt_collectively", "restore_codes"]

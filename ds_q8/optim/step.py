@@ -46,7 +46,7 @@ from .path_reference import (block_codec, read_param, reference_step_32bit, refe
                              write_param)
 from .path_shared import update_shared
 from .pieces import Item8, Item32, Rounding, TensorStep  # noqa: F401
-from .qstate import codes_key, fp32_key
+from .qstate import CORRECTION_KEY, codes_key, fp32_key
 from .rules import Rule
 
 
@@ -245,7 +245,57 @@ class _Plan:
             finish(vec[slots])
 
 
-__all__ = ["step", "segment_hypers", "TensorStep", "Item8", "Item32", "Rounding", "IMPLS", "group_impl", "corrected",
+# ---------------------------------------------------------------------------- from an optimizer's groups
+def tensor_steps(opt, work):
+    """The :class:`TensorStep` of each ``(group, tensor)`` of ``work`` for optimizer ``opt``, grouped by
+    rule in the order the groups first use them: ``({id(rule): (rule, steps)}, step counters)``. Each
+    tensor's step count is advanced here (a skipped CUDA step takes it back, ``nonfinite.py``)."""
+    by_rule: Dict[int, tuple] = {}
+    counters = []
+    hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
+    states_random = {id(g): any(opt.stochastic_states(g)) for g in opt.param_groups}
+    for group, p in work:
+        opt._adopt_fp32_state(p, opt.state[p], group=group)
+        qs = opt.quantized_state(p, group)
+        match_correction(qs.entry, group, p)
+        count = _advance(qs.entry)
+        counters.append(qs.entry)
+        h = hypers.get((id(group), count))
+        if h is None:
+            h = hypers[(id(group), count)] = opt._hyper(group, count)
+        rule = opt.rule_for(group)
+        random = opt.stochastic_params(group, p) or (qs.layout.has8 and states_random[id(group)])
+        telemetry = opt._telemetry
+        sums = None if telemetry is None else telemetry.sums_for(p, qs.layout, rule.num_states, count)
+        t = TensorStep(p, p.grad, qs, group, h, None,
+                       rounding.step_key(group.get("sr_seed", 0), count) if random else None, sums)
+        if rule.needs_norms:
+            t = t._replace(segment_hyper=segment_hypers(rule, t))
+        by_rule.setdefault(id(rule), (rule, []))[1].append(t)
+    return by_rule, counters
+
+
+def _advance(entry: dict) -> int:
+    """Count one more step in a state entry; its new step number."""
+    step_t = entry["step"]
+    if not torch.is_tensor(step_t):  # an int written by a loader
+        step_t = entry["step"] = torch.tensor(float(step_t))
+    step_t += 1
+    return int(step_t.item())
+
+
+def match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
+    """Give a bf16 tensor its correction bytes when its group asks for them (zeros: the master is
+    exactly the bf16 value, as after a load from a checkpoint without them), and drop bytes that a
+    group without the option would leave stale."""
+    if corrected(group, p.dtype):
+        if CORRECTION_KEY not in entry:
+            entry[CORRECTION_KEY] = torch.zeros(p.numel(), dtype=torch.int8, device=p.device)
+    else:
+        entry.pop(CORRECTION_KEY, None)
+
+
+__all__ = ["step", "tensor_steps", "match_correction", "segment_hypers", "TensorStep", "Item8", "Item32", "Rounding", "IMPLS", "group_impl", "corrected",
            "correction_of", "stochastic_params", "stochastic_states", "maps_of", "fused_step_many",
            "fused_step_fp32_many", "kernel_rule", "reference_step_8bit", "reference_step_32bit", "read_param",
            "write_param", "block_codec"]

@@ -171,7 +171,7 @@ def run_job(job, rank, world, out_dir):
 
     layouts = [None] * world  # what each rank's partitions hold: proof that the sharded path ran
     mine = [{"segments": len(lay.segments), "shared_pieces": len(lay.shared8), "slots": lay.num_slots,
-             "fp32_segments": sum(not s.eight_bit for s in lay.segments)} for lay in opt._layouts.values()]
+             "fp32_segments": sum(not s.eight_bit for s in lay.segments)} for lay in opt.tensors.layouts.values()]
     dist.all_gather_object(layouts, mine)
     if rank == 0:
         torch.save({"params": params, "state": state, "world": world, "layouts": layouts, "api": api},
