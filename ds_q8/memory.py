@@ -1,7 +1,9 @@
-"""Optimizer-state bytes per rank: predicted for a model / ZeRO stage / world size, or measured.
+"""Optimizer-state bytes per rank predicted for a model / ZeRO stage / world size (``model_states.py`` measures them).
 
 ``python -m ds_q8.memory --model gpt2-xl --stage 2 --world-size 1 8`` prints a table comparing
-32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state.
+32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state; ``--ladder`` prints
+the whole model states of each way to train with bf16 parameters (the ladder; ``model_states.py`` counts
+them on live engines).
 
 The prediction follows how ZeRO lays out what the optimizer sees:
   * stage 0: every parameter is its own tensor on every rank;
@@ -21,12 +23,10 @@ import json
 import math
 from typing import Dict, Iterable, List, Sequence
 
-import torch
 
 from . import functional as F
-from .optim.base import Optimizer8bitBlock
 from .optim.layout import Segment, StateLayout, shared_blocks
-from .optim.qstate import ABSMAX_BYTES, QuantizedState, has_storage
+from .optim.qstate import ABSMAX_BYTES, QuantizedState
 
 def _num_states(optimizer: str) -> int:
     from .registry import OPTIMIZERS
@@ -172,52 +172,6 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
     return best
 
 
-def _base_optimizer(obj):
-    """Follow ``.optimizer`` from an engine or ZeRO wrapper down to the torch optimizer."""
-    seen = set()
-    while id(obj) not in seen:
-        seen.add(id(obj))
-        if isinstance(obj, torch.optim.Optimizer) and obj.state:
-            return obj
-        inner = getattr(obj, "optimizer", None)
-        if inner is None:
-            break
-        obj = inner
-    if isinstance(obj, torch.optim.Optimizer):
-        return obj
-    raise TypeError(f"cannot find a torch optimizer inside {type(obj).__name__}")
-
-
-def measured_state_bytes(obj) -> Dict[str, int]:
-    """Bytes of optimizer-state tensors this rank holds, from a DeepSpeed engine or an optimizer.
-
-    Returns ``{"total": ..., "codes": ..., "absmax": ..., "fp32": ...}``; the step counter is not
-    counted.
-    """
-    opt = _base_optimizer(obj)
-    out = {"total": 0, "codes": 0, "absmax": 0, "fp32": 0}
-    if isinstance(opt, Optimizer8bitBlock):
-        for p, st in opt.state.items():
-            if has_storage(st):
-                for kind, n in opt.quantized_state(p, create=False).nbytes().items():
-                    out[kind] += n
-                    out["total"] += n
-        return out
-    for st in opt.state.values():  # another optimizer (a 32-bit baseline): every state tensor
-        for key, v in st.items():
-            if not torch.is_tensor(v) or key == "step":
-                continue
-            nbytes = v.numel() * v.element_size()
-            out["total"] += nbytes
-            if v.dtype == torch.uint8:
-                out["codes"] += nbytes
-            elif key.startswith("absmax"):
-                out["absmax"] += nbytes
-            else:
-                out["fp32"] += nbytes
-    return out
-
-
 # ---------------------------------------------------------------------------- model states
 #: The memory ladder: ways to keep a model's training state under ZeRO-2 with bf16 parameters.
 #: (label, optimizer, bytes per element of the master weights, of the gradient handed to the optimizer
@@ -263,119 +217,6 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
                                    group_bits=group_bits)) + correction * padded
     return dict(params=2 * total, grads=2 * total, masters=master * padded, master_grads=master_grad * padded,
                 optimizer_states=states)
-
-
-def measure_model_states(engine, run_step) -> Dict[str, int]:
-    """Bytes of a live ZeRO-2 engine's model states, part by part (see :func:`predict_model_states`).
-
-    ``run_step()`` must run one training step (forward, backward, ``engine.step()``): the gradients
-    live from the backward pass to the optimizer's step, so that step is watched for them.
-    """
-    wrapper = engine.optimizer
-    base = _base_optimizer(engine)
-    seen = {"master_grads": 0, "grads": 0}
-    grad_storages = set()
-    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-
-    def watched_base(*args, **kwargs):  # the optimizer's step: the gradient in the masters' dtype, where
-        seen["master_grads"] = max(seen["master_grads"], sum(  # it is not a view of the reduced gradients
-            nbytes(p.grad) for g in base.param_groups for p in g["params"]
-            if p.grad is not None and ptr(p.grad) not in grad_storages))
-        return base_step(*args, **kwargs)
-
-    def watched_wrapper(*args, **kwargs):  # ZeRO's step, entered with the reduced gradient partition
-        lp = getattr(wrapper, "grads_in_partition", None)  # one buffer (contiguous_gradients) ...
-        held = [lp] if lp is not None else [t for ts in (getattr(wrapper, "averaged_gradients", None) or {}).values()
-                                            if ts is not None for t in ts if torch.is_tensor(t)]  # ... or one per param
-        seen["grads"] = max(seen["grads"], sum(nbytes(t) for t in held))
-        grad_storages.update(ptr(t) for t in held)
-        return wrapper_step(*args, **kwargs)
-
-    base_step, wrapper_step = base.step, wrapper.step
-    with _watching({base: watched_base, wrapper: watched_wrapper}):
-        run_step()
-    params = sum(nbytes(p) for p in engine.module.parameters())
-    param_storages = {ptr(p) for p in engine.module.parameters()}
-    masters = sum(nbytes(t) for t in getattr(wrapper, "single_partition_of_fp32_groups", [])
-                  if ptr(t) not in param_storages)  # a master that is a view of the parameters holds nothing more
-    states = sum(nbytes(v) for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step")
-    return dict(params=params, grads=seen["grads"], masters=masters, master_grads=seen["master_grads"],
-                optimizer_states=states)
-
-
-def reachable_storages(*roots) -> Dict[int, int]:
-    """Every tensor storage reachable from ``roots`` (an engine, an optimizer, a module), each once:
-    ``{data pointer: bytes}``. The walk follows the attributes of torch, DeepSpeed and ds_q8 objects,
-    the items of lists, tuples, sets and dicts, and each tensor's ``.grad`` and attributes, so it finds
-    the master partitions, gradient buffers and states where DeepSpeed and ds_q8 keep them."""
-    found: Dict[int, int] = {}
-    seen, todo = set(), list(roots)
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int, float, bool, type)):
-            continue
-        seen.add(id(obj))
-        if torch.is_tensor(obj):
-            if obj.device.type != "meta" and obj.numel():
-                storage = obj.untyped_storage()
-                if storage.data_ptr():
-                    found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
-            todo.append(obj.grad)
-            todo.extend(getattr(obj, "__dict__", {}).values())
-        elif isinstance(obj, dict):
-            todo.extend(obj.keys())
-            todo.extend(obj.values())
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            todo.extend(obj)
-        elif type(obj).__module__.split(".")[0] in ("torch", "deepspeed", "ds_q8") and hasattr(obj, "__dict__"):
-            todo.extend(vars(obj).values())
-    return found
-
-
-def watch_model_states(engine, run_step) -> Dict[str, int]:
-    """Bytes of every storage reachable from a live engine (:func:`reachable_storages`): right after
-    backward (when ZeRO's step is entered, before it touches the gradients) and while the optimizer
-    steps, the larger of each. ``run_step()`` runs one step (forward, backward, ``engine.step()``)."""
-    wrapper = engine.optimizer
-    base = _base_optimizer(engine)
-    seen = {"after_backward": 0, "during_step": 0}
-    base_step, wrapper_step = base.step, wrapper.step
-
-    def count(key):
-        seen[key] = max(seen[key], sum(reachable_storages(engine).values()))
-
-    def watched_base(*args, **kwargs):
-        count("during_step")
-        return base_step(*args, **kwargs)
-
-    def watched_wrapper(*args, **kwargs):
-        count("after_backward")
-        return wrapper_step(*args, **kwargs)
-
-    with _watching({base: watched_base, wrapper: watched_wrapper}):
-        run_step()
-    return seen
-
-
-class _watching:
-    """Set each object's ``step`` for a while, then put back what its instance had (DeepSpeed's
-    wrapper may carry a per-engine ``step`` of its own, see ``integration.grad_norm``)."""
-
-    def __init__(self, steps):
-        self.steps = steps
-        self.saved = {id(o): (o, vars(o).get("step")) for o in steps}
-
-    def __enter__(self):
-        for obj, step in self.steps.items():
-            obj.step = step
-
-    def __exit__(self, *exc):
-        for obj, before in self.saved.values():
-            if before is None:
-                vars(obj).pop("step", None)
-            else:
-                obj.step = before
 
 
 def ladder_table(groups, block_size: int = F.DEFAULT_BLOCK_SIZE,

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import ds_q8
-from ds_q8.memory import (estimate_state_bytes, gpt2_muon_groups, gpt2_param_groups, main, measured_state_bytes,
-                          state_tensor_sizes)
+from ds_q8.memory import estimate_state_bytes, gpt2_muon_groups, gpt2_param_groups, main, state_tensor_sizes
+from ds_q8.model_states import measured_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 

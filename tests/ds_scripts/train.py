@@ -20,7 +20,7 @@ from torch import nn
 import deepspeed
 import ds_q8
 from ds_q8.integration import grad_norm, shared_masters
-from ds_q8.memory import measure_model_states, measured_state_bytes, watch_model_states
+from ds_q8.model_states import measure_model_states, measured_state_bytes, watch_model_states
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
 
