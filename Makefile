@@ -31,11 +31,12 @@ demo: $(STAMP)
 	@echo "report: out/compare/report.md"
 	@echo "plot:   out/compare/loss.png"
 
+# one pytest-xdist worker per core, each taking whole modules (their fixtures are shared by their tests)
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40 tests
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=40 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not multirank" tests
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow and not multirank" tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests

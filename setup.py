@@ -69,7 +69,7 @@ setup(
         "deepspeed": [DEEPSPEED],
         # launch/: training, reports and launchers
         "train": [DEEPSPEED, "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
-        "test": ["pytest", "pytest-timeout==2.4.0", "hypothesis", "accelerate"],
+        "test": ["pytest", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "hypothesis", "accelerate"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -1,5 +1,5 @@
 """The suite's pytest hooks (tests/conftest.py imports them): time limits by marker, GPU tests skipped
-without a GPU, and ``--json-report PATH``, one JSON file of every test's result.
+without a GPU, the longest modules first, and ``--json-report PATH``, one JSON file of every test's result.
 
 Time limits (pytest-timeout): ``timeout`` in pytest.ini (600 s) for every test; a test marked ``slow`` or
 ``multirank`` gets the larger limit of :data:`MARKER_TIMEOUT_S` unless it carries its own
@@ -41,7 +41,20 @@ def _gpu() -> bool:
     return torch.cuda.is_available()
 
 
+#: the modules whose tests take longest (minutes each, the sanitizer runs first), run first: under
+#: ``pytest -n N --dist loadfile`` (make test) a worker takes a module whole, in collection order, so the
+#: long ones start at once and the many short ones fill the other workers instead of trailing behind
+FIRST_MODULES = ("test_cuda_sim.py", "test_zero_invariance.py", "test_cuda_build.py", "test_deepspeed_checkpoint.py",
+                 "test_multinode.py", "test_fast_search_scalar.py")
+
+
+def _module_rank(item) -> int:
+    name = os.path.basename(str(item.fspath))
+    return FIRST_MODULES.index(name) if name in FIRST_MODULES else len(FIRST_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_module_rank)  # stable: each module keeps its own order
     on_cpu = config.getoption("kernel_device") == "cpu"
     skip_gpu = None if _gpu() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
@@ -110,5 +123,5 @@ class JsonReport:
 
 def pytest_configure(config):
     path = config.getoption("json_report")
-    if path:
+    if path and not hasattr(config, "workerinput"):  # under pytest-xdist the controller sees every report
         config.pluginmanager.register(JsonReport(config, path), "ds_q8_json_report")
