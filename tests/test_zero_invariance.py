@@ -8,6 +8,8 @@ default, and the global norm's rounding depends on how ranks sum their partial n
 * fp32: Adam8bitBlock and Lion8bitBlock (one state) give bit-identical parameters and dequantized
   state in a plain PyTorch loop and under ZeRO-0/1/2/3 at 1, 2, 3 and 4 ranks;
 * bf16 mixed precision: the fp32 masters are bit-identical across ZeRO-1/2/3 and world sizes;
+* bf16 masters with a correction byte: bit-identical across ZeRO-1/2/3, ZeRO-Offload at stages 2
+  and 3, and world sizes;
 * LAMB8bitBlock and LARS8bitBlock (per-parameter norms) stay within 1e-3 of the plain loop after 20 steps;
 * a checkpoint written at N ranks resumes at M (2->1, 1->2, 2->3, 2->4; stages 2 and 3) through
   ``python -m ds_q8.checkpoint to-universal`` and ``load_universal``, code for code: the resumed
@@ -41,6 +43,7 @@ BF16 = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]
 TRUST = [(o, s) for o in ("LAMB8bitBlock", "LARS8bitBlock") for s in (0, 1, 2, 3)]
 BF16_MASTER = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2, 3)]  # stochastic rounding on
 CORRECTED = [("Adam8bitBlock", s) for s in (1, 2, 3)]  # bf16 masters with correction_byte=True
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}  # ZeRO-Offload: the masters and their bytes on the host
 RESHARD = [(2, 1), (1, 2), (2, 3), (2, 4)]
 
 
@@ -54,6 +57,8 @@ def _plan(world, ck):
     jobs += [_job(f"trust_{o}_s{s}", o, s, TRUST_STEPS) for o, s in TRUST]
     jobs += [_job(f"bf16m_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True) for o, s in BF16_MASTER]
     jobs += [_job(f"bf16c_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True, correction=True) for o, s in CORRECTED]
+    jobs += [_job(f"bf16c_offload_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True, correction=True, zero=OFFLOAD)
+             for o, s in CORRECTED if s > 1]
     if world == 2:
         jobs.append(_job("save2_bf16m_s2", "Adam8bitBlock", 2, SAVE_AT, bf16=True, bf16_master=True,
                          save=[ck, "w2_bf16m_s2"]))
@@ -237,6 +242,11 @@ def test_correction_bytes_identical_across_stages_and_world_sizes(runs):
         for stage in (1, 2, 3):
             bad, dp, ds = _differences(ref, runs[world][f"bf16c_Adam8bitBlock_s{stage}"])
             assert not bad, f"{world} ranks, stage {stage}: {bad} (params by {dp}, state by {ds})"
+            if stage > 1:  # ZeRO-Offload steps the host's masters, with their bytes, to the same bits
+                run = runs[world][f"bf16c_offload_Adam8bitBlock_s{stage}"]
+                bad, dp, ds = _differences(ref, run)
+                assert not bad, f"{world} ranks, stage {stage}, offload: {bad} (params by {dp}, state by {ds})"
+                assert run["correction_bytes"] >= sum(p.numel() for p in ref["params"].values())
     assert _differences(ref, runs[1]["bf16m_Adam8bitBlock_s1"])[0]
 
 

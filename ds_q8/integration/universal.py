@@ -278,10 +278,11 @@ def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
     folder = None if folder is None else str(folder)
     cache: dict = {}
     for tensor, layout in list(opt.tensors.layouts.items()):
-        if layout.group is None:
+        group = opt.tensors.groups.get(tensor)
+        if group is None:
             continue  # an ordinary parameter (ZeRO-0 has no universal checkpoints)
         held = [seg for seg in layout.segments if seg.numel]
-        saved = _saved_state(folder, held, layout.group, opt, cache)
+        saved = _saved_state(folder, held, group, opt, cache)
         ok = torch.tensor([1.0 if saved is not None else 0.0])
         if layout.sharded:  # all ranks take the same route for a tensor whose blocks they share
             ok.neg_()

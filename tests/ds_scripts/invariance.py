@@ -173,9 +173,11 @@ def run_job(job, rank, world, out_dir):
     mine = [{"segments": len(lay.segments), "shared_pieces": len(lay.shared8), "slots": lay.num_slots,
              "fp32_segments": sum(not s.eight_bit for s in lay.segments)} for lay in opt.tensors.layouts.values()]
     dist.all_gather_object(layouts, mine)
+    corrections = [None] * world  # correction bytes each rank holds: proof that the option reached its tensors
+    dist.all_gather_object(corrections, sum(st["correction"].numel() for st in opt.state.values() if "correction" in st))
     if rank == 0:
-        torch.save({"params": params, "state": state, "world": world, "layouts": layouts, "api": api},
-                   os.path.join(out_dir, f"{job['name']}.pt"))
+        torch.save({"params": params, "state": state, "world": world, "layouts": layouts, "api": api,
+                    "correction_bytes": sum(corrections)}, os.path.join(out_dir, f"{job['name']}.pt"))
     if hasattr(engine, "destroy"):
         engine.destroy()
 

@@ -416,7 +416,7 @@ int all_finite_or_unknown(const std::vector<torch::Tensor>& tensors) { return fi
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CPU kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("supported_isas", &ds_q8::supported_isas, "instruction sets this CPU can run, best first");
-    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (the kernel names of ds_q8.optim.rules)");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     using pybind11::arg;

@@ -223,7 +223,7 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
-    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (Python update_rule names)");
+    m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (the kernel names of ds_q8.optim.rules)");
     m.def("build_lookup", &ds_q8::build_lookup,
           "nearest-code lookup table and segment-search tables of a 256-entry map (CPU tensors)");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
