@@ -441,7 +441,7 @@ def study_names(ap, args, cfg: Config) -> List[str]:
     return names
 
 
-def main(argv=None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lrs", type=float, nargs="+", help="peak learning rates (default 1e-3 4e-3 1.6e-2)")
     ap.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0-5)")
@@ -458,7 +458,12 @@ def main(argv=None) -> int:
     ap.add_argument("--drift", action="store_true",
                     help="instead: how far ds_q8-format states drift from torch's along torch's own trajectory "
                          "(first --lrs value, first --seeds value), rounded to nearest and stochastically")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def study_config(ap, args) -> Config:
+    """The defaults with the command line's values; a bad value (``--workers`` too) ends the program with
+    an error that names it. The optimizers are checked later, by ``study_names``."""
     cfg = Config()
     if args.steps is not None:
         if args.steps < 1:
@@ -488,51 +493,76 @@ def main(argv=None) -> int:
         cfg.seeds = tuple(args.seeds)
     if args.workers < 1:
         ap.error(f"--workers must be >= 1, got {args.workers}")
-    if args.drift:
-        lr, seed = (args.lrs or (4e-3,))[0], cfg.seeds[0] if args.seeds else 0
-        t0 = time.time()
-        table = drift_table(drift(lr, cfg, seed))
-        header = (f"State drift along torch AdamW's trajectory: lr {lr:g}, seed {seed}, after {cfg.steps} steps "
-                  f"(GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, batch {cfg.batch}).\n\n")
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "drift.md"), "w") as f:
-            f.write(header + table)
-        print(header + table)
-        print(f"{time.time() - t0:.0f} s; wrote {args.out}/drift.md")
-        return 0
-    names = study_names(ap, args, cfg)
-    jobs = [(name, lr, seed, cfg) for lr in cfg.lrs for seed in cfg.seeds for name in names]
+    return cfg
+
+
+def drift_study(args, cfg: Config) -> None:
+    """``--drift``: the state drift table at the first ``--lrs`` value (default 4e-3) and the first
+    ``--seeds`` value (default 0), printed and written to ``--out``/drift.md."""
+    lr, seed = (args.lrs or (4e-3,))[0], cfg.seeds[0] if args.seeds else 0
+    t0 = time.time()
+    table = drift_table(drift(lr, cfg, seed))
+    header = (f"State drift along torch AdamW's trajectory: lr {lr:g}, seed {seed}, after {cfg.steps} steps "
+              f"(GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, batch {cfg.batch}).\n\n")
     os.makedirs(args.out, exist_ok=True)
-    t0, runs = time.time(), []
-    if args.workers > 1:
+    with open(os.path.join(args.out, "drift.md"), "w") as f:
+        f.write(header + table)
+    print(header + table)
+    print(f"{time.time() - t0:.0f} s; wrote {args.out}/drift.md")
+
+
+def finished_runs(jobs: list, workers: int):
+    """Each job's run as it finishes: from a pool of ``workers`` processes, or one after the other here."""
+    if workers > 1:
         import multiprocessing as mp
 
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            for r in pool.imap_unordered(_run, jobs):
-                runs.append(r)
-                print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
-                      f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
+        with mp.get_context("spawn").Pool(workers) as pool:
+            yield from pool.imap_unordered(_run, jobs)
     else:
-        for job in jobs:
-            runs.append(_run(job))
-            r = runs[-1]
-            print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
-                  f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
-    attach_drift(runs, cfg.reference)
-    rows = summarize(runs, cfg)
-    table = markdown_table(rows, cfg.reference)
+        yield from map(_run, jobs)
+
+
+def run_jobs(jobs: list, workers: int) -> List[dict]:
+    """Every job's run, with a line printed as each one finishes."""
+    runs = []
+    for r in finished_runs(jobs, workers):
+        runs.append(r)
+        print(f"[{len(runs)}/{len(jobs)}] {r['optimizer']} lr={r['lr']:g} seed={r['seed']}: "
+              f"{r['final_loss']:.4f} {r['reason']} ({r['seconds']} s)", flush=True)
+    return runs
+
+
+def study_header(cfg: Config) -> str:
+    """The paragraph above the table: the model, schedule, data and seeds every run shares."""
     schedule = ("constant learning rate, no warmup" if cfg.schedule == "constant"
                 else f"warmup {cfg.warmup} then cosine to 10%")
     text = {None: "the standard library's source", "pydoc-topics": "Python's documentation topics"}.get(cfg.data,
                                                                                                       cfg.data)
-    header = (f"GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, context {cfg.context}, batch {cfg.batch}, {cfg.steps} "
-              f"steps, {schedule}, {text}, seeds {list(cfg.seeds)}; final validation loss "
-              f"(nats per byte) on {cfg.eval_windows} windows.\n\n")
+    return (f"GPT-2 {cfg.n_layer} layers, d={cfg.n_embd}, context {cfg.context}, batch {cfg.batch}, {cfg.steps} "
+            f"steps, {schedule}, {text}, seeds {list(cfg.seeds)}; final validation loss "
+            f"(nats per byte) on {cfg.eval_windows} windows.\n\n")
+
+
+def main(argv=None) -> int:
+    ap = argument_parser()
+    args = ap.parse_args(argv)
+    cfg = study_config(ap, args)
+    if args.drift:
+        drift_study(args, cfg)
+        return 0
+    names = study_names(ap, args, cfg)
+    jobs = [(name, lr, seed, cfg) for lr in cfg.lrs for seed in cfg.seeds for name in names]
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    runs = run_jobs(jobs, args.workers)
+    attach_drift(runs, cfg.reference)
+    rows = summarize(runs, cfg)
+    text = study_header(cfg) + markdown_table(rows, cfg.reference)
     with open(os.path.join(args.out, "convergence.md"), "w") as f:
-        f.write(header + table)
+        f.write(text)
     with open(os.path.join(args.out, "convergence.json"), "w") as f:
         json.dump(dict(config=dataclasses.asdict(cfg), runs=runs, rows=rows), f, indent=1)
-    print(header + table)
+    print(text)
     print(f"{len(runs)} runs in {time.time() - t0:.0f} s; wrote {args.out}/convergence.md and convergence.json")
     return 0
 

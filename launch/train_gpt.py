@@ -11,6 +11,7 @@ tiny model on the Python standard library's source text for a few minutes on a C
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -241,39 +242,61 @@ def announce_deepspeed_builds(cfg: dict) -> None:
         announce_deepspeed_op(FusedAdamBuilder, "DeepSpeed's CPU Adam op", "about a minute")
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfg = load_ds_config(args)
-    if not (args.resume or args.overwrite) and checkpointing.has_checkpoints(args.save_dir):
-        raise SystemExit(f"--save_dir {args.save_dir} holds checkpoints of an earlier run: pass --resume to "
-                         "continue it or --overwrite to discard it")
+@dataclasses.dataclass
+class Run:
+    """What the stages after the engine's construction share: the command line, this rank's place in the
+    job, the engine and its batch shape."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    engine: object
+    device: object
+    mbs: int  # sequences per rank per micro-step
+    gas: int  # micro-steps per optimizer step
 
-    import deepspeed
-    import ds_q8  # registers Adam8bitBlock & co. as DeepSpeed optimizer types
+    @property
+    def tokens_per_step(self) -> int:
+        return self.mbs * self.gas * self.world * self.args.context
+
+
+def join_job(args, cfg: dict) -> tuple:
+    """Load DeepSpeed and ds_q8, join the other ranks and choose the checkpoint to resume from:
+    ``(rank, world size, resume point)``, the point as ``checkpointing.resume_point`` gives it (None: start
+    fresh). It is chosen before the engine exists: a checkpoint of another world size loads through its
+    universal conversion, which the engine must be configured for."""
+    import deepspeed  # noqa: F401  (loaded before quiet() filters its logger)
+    import ds_q8  # noqa: F401  (registers Adam8bitBlock & co. as DeepSpeed optimizer types)
     from ds_q8.integration.noise import quiet
-    from tqdm import tqdm
 
     quiet()  # warnings DeepSpeed prints on every run (ds_q8/integration/noise.py says which)
     announce_deepspeed_builds(cfg)
     dist_setup.init(args.master_port, args.dist_timeout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # chosen before the engine exists: a checkpoint of another world size loads through its
-    # universal conversion, which the engine must be configured for
     resume = None
     if args.resume:
         resume = checkpointing.resume_point(args.save_dir, world, report=None if rank == 0 else (lambda _: None))
         if resume is not None and resume[2]:
             cfg.setdefault("checkpoint", {})["load_universal"] = True
+    return rank, world, resume
 
-    # ---- data
+
+def load_data(args) -> tuple:
+    """``(tokenizer, training tokens, validation tokens)``, each split checked to hold a whole sequence."""
     tokenizer = gpt_data.make_tokenizer(args.tokenizer)
     train, val = gpt_data.load_splits(args.data, tokenizer)
     gpt_data.check_length("train", train, args.context)
     gpt_data.check_length("validation", val, args.context)
+    return tokenizer, train, val
 
-    # ---- model and engine
+
+def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
+    """``(model, DeepSpeed engine, parameter count)``, the count taken before ZeRO partitions the parameters.
+    ds_q8's kernels are loaded here: a first run compiles them before the progress bar starts."""
+    import deepspeed
+    import ds_q8
+
     torch.manual_seed(args.seed)  # same initial weights on every rank and every run
-    config = gpt_models.gpt2_config(args.model, tokenizer.vocab_size, args.context, args.n_layer, args.dropout)
+    config = gpt_models.gpt2_config(args.model, vocab_size, args.context, args.n_layer, args.dropout)
     bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
     model = gpt_models.build_model(config, args.stable_embedding, torch.bfloat16 if bf16 else None)
     n_params = sum(p.numel() for p in model.parameters())
@@ -284,29 +307,37 @@ def main(argv=None) -> dict:
 
         shared_masters.ENABLED = False
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
-    device = engine.device
-    ds_q8.ops.load_op(torch.device(device).type)  # a first run compiles the kernels here, before the progress bar
-    telemetry = None
-    if args.quant_report_interval:
-        telemetry = innermost_optimizer(engine)
-        if isinstance(telemetry, ds_q8.optim.Optimizer8bitBlock):
-            telemetry.track_quantization(args.quant_report_interval)
-        else:
-            if rank == 0:
-                print(f"--quant_report_interval: {type(telemetry).__name__} keeps no 8-bit state; no telemetry")
-            telemetry = None
-    mbs = engine.train_micro_batch_size_per_gpu()
-    gas = engine.gradient_accumulation_steps()
-    tokens_per_step = mbs * gas * world * args.context
+    ds_q8.ops.load_op(torch.device(engine.device).type)
+    return model, engine, n_params
 
-    # ---- resume or start fresh
+
+def quantization_telemetry(engine, interval: int, rank: int):
+    """The optimizer, set to report on its 8-bit state every ``interval`` steps; None without
+    --quant_report_interval or when the optimizer keeps no 8-bit state."""
+    if not interval:
+        return None
+    import ds_q8
+
+    opt = innermost_optimizer(engine)
+    if isinstance(opt, ds_q8.optim.Optimizer8bitBlock):
+        opt.track_quantization(interval)
+        return opt
+    if rank == 0:
+        print(f"--quant_report_interval: {type(opt).__name__} keeps no 8-bit state; no telemetry")
+    return None
+
+
+def first_step(run: Run, resume) -> int:
+    """The step training starts from: the resume point's, once its checkpoint is loaded, else 0 (with
+    --overwrite, after the earlier run's checkpoints are discarded). Creates --save_dir."""
+    args, rank = run.args, run.rank
     start_step = 0
     if args.resume:
         if resume is not None:
             tag, _, universal = resume
             if universal and rank == 0:
-                print(f"--resume: {tag}, converted from a checkpoint of another world size, at {world} rank(s)")
-            _, client = engine.load_checkpoint(args.save_dir, tag=tag)
+                print(f"--resume: {tag}, converted from a checkpoint of another world size, at {run.world} rank(s)")
+            _, client = run.engine.load_checkpoint(args.save_dir, tag=tag)
             if client.get("seed") != args.seed:
                 raise SystemExit(f"--seed {args.seed} differs from the checkpoint's seed {client.get('seed')}; "
                                  "a resumed run must use the seed it started with")
@@ -317,13 +348,47 @@ def main(argv=None) -> dict:
         checkpointing.clear_run(args.save_dir)
     if rank == 0:
         os.makedirs(args.save_dir, exist_ok=True)
-    log = MetricsLog(args.save_dir, start_step, args.tensorboard) if rank == 0 else None
-    if rank == 0:
-        print(f"{args.model}: {n_params / 1e6:.2f}M params, {world} rank(s), {tokens_per_step} tokens/step, "
-              f"optimizer {type(innermost_optimizer(engine)).__name__}, train {train.numel()} / "
-              f"val {val.numel()} tokens")
+    return start_step
 
-    # ---- train
+
+def train_step(run: Run, train, step: int) -> float:
+    """Optimizer step ``step`` (0-based), its ``gas`` micro-steps accumulated: the loss, averaged over the
+    micro-steps and the ranks."""
+    args, engine, device = run.args, run.engine, run.device
+    mbs, gas, rank, world = run.mbs, run.gas, run.rank, run.world
+    torch.manual_seed(step_seed(args.seed, rank, step))
+    loss_sum = 0.0
+    for micro in range(gas):
+        if args.world_invariant_data:
+            x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, 0, (step * gas + micro) * world + rank)
+        else:
+            x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
+        logits = engine(input_ids=x.to(device)).logits
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1))
+        engine.backward(loss)
+        engine.step()
+        loss_sum += loss.item()
+    (loss_sum,) = all_reduce_sum([loss_sum / gas], device)
+    return loss_sum / world
+
+
+def save_checkpoint(run: Run, done: int) -> None:
+    """The checkpoint after step ``done``, marked complete once every rank has written its files."""
+    args = run.args
+    run.engine.save_checkpoint(args.save_dir, tag=checkpointing.tag_for(done),
+                               client_state=dict(step=done, seed=args.seed))
+    checkpointing.flush(args.save_dir, done)
+    dist_setup.barrier()  # every rank's files are on disk before the marker says so
+    if run.rank == 0:
+        checkpointing.mark_complete(args.save_dir, done, dict(seed=args.seed, world_size=run.world))
+
+
+def train_loop(run: Run, train, val, telemetry, log, start_step: int) -> tuple:
+    """Train from ``start_step`` to --stop_at (or --max_steps), evaluating, logging and saving at their
+    intervals: ``(each step's seconds, the last evaluation's loss or None when none ran)``."""
+    from tqdm import tqdm
+
+    args, rank = run.args, run.rank
     step_times = []
     eval_loss = None
     end_step = args.stop_at or args.max_steps
@@ -331,27 +396,15 @@ def main(argv=None) -> dict:
                disable=rank != 0 or args.no_progress, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        torch.manual_seed(step_seed(args.seed, rank, step))
-        lr = engine.get_lr()[0]  # the rate this step uses
-        loss_sum = 0.0
-        for micro in range(gas):
-            if args.world_invariant_data:
-                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, 0, (step * gas + micro) * world + rank)
-            else:
-                x, y = gpt_data.get_batch(train, mbs, args.context, args.seed, rank, step * gas + micro)
-            logits = engine(input_ids=x.to(device)).logits
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += loss.item()
-        (loss_sum,) = all_reduce_sum([loss_sum / gas], device)
+        lr = run.engine.get_lr()[0]  # the rate this step uses
+        loss = train_step(run, train, step)
         dt = time.perf_counter() - t0
         step_times.append(dt)
         done = step + 1
-        record = dict(step=done, loss=loss_sum / world, lr=lr, step_time_s=dt, tokens_per_s=tokens_per_step / dt)
+        record = dict(step=done, loss=loss, lr=lr, step_time_s=dt, tokens_per_s=run.tokens_per_step / dt)
         last = done == args.max_steps
         if last or (args.eval_interval and done % args.eval_interval == 0):
-            eval_loss = evaluate(engine, val, args, mbs, rank, world, device)
+            eval_loss = evaluate(run.engine, val, args, run.mbs, rank, run.world, run.device)
             record.update(eval_loss=eval_loss, eval_ppl=math.exp(min(eval_loss, 50.0)))
         if telemetry is not None and done % args.quant_report_interval == 0:
             record.update(quantization_record(telemetry.quantization_report()))
@@ -361,26 +414,25 @@ def main(argv=None) -> dict:
             if "eval_loss" in record:
                 bar.write(f"step {done}: eval loss {eval_loss:.4f} (ppl {record['eval_ppl']:.2f})")
         if last or done == end_step or (args.save_interval and done % args.save_interval == 0):
-            engine.save_checkpoint(args.save_dir, tag=checkpointing.tag_for(done),
-                                   client_state=dict(step=done, seed=args.seed))
-            checkpointing.flush(args.save_dir, done)
-            dist_setup.barrier()  # every rank's files are on disk before the marker says so
-            if rank == 0:
-                checkpointing.mark_complete(args.save_dir, done, dict(seed=args.seed, world_size=world))
+            save_checkpoint(run, done)
     bar.close()
-    if eval_loss is None:  # resumed from the final checkpoint: nothing trained, still report
-        eval_loss = evaluate(engine, val, args, mbs, rank, world, device)
+    return step_times, eval_loss
 
-    # ---- summary
+
+def summarize(run: Run, model, n_params: int, start_step: int, step_times, eval_loss: float) -> dict:
+    """summary.json: the run, its final evaluation, its speed (the first step left out when there are
+    others) and its memory, optimizer state and Muon momentum summed over the ranks."""
+    args, engine = run.args, run.engine
     opt_bytes = optimizer_state_bytes(innermost_optimizer(engine))
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     muon = muon_momentum_bytes(innermost_optimizer(engine))
     total_opt_bytes, rss_sum, *muon = all_reduce_sum([opt_bytes, peak_rss, *muon, muon_staging_bytes(engine)],
-                                                     device)
+                                                     run.device)
     hosts = dist_setup.hostnames()
     steady = step_times[1:] or step_times  # the first step pays for lazy state and warm-up
+    tokens_per_step = run.tokens_per_step
     summary = dict(
-        model=args.model, n_params=n_params, world_size=world, config=str(args.deepspeed_config),
+        model=args.model, n_params=n_params, world_size=run.world, config=str(args.deepspeed_config),
         optimizer=type(innermost_optimizer(engine)).__name__, steps=args.max_steps, start_step=start_step,
         final_eval_loss=eval_loss, final_eval_ppl=math.exp(min(eval_loss, 50.0)),
         mean_step_time_s=sum(steady) / len(steady) if steady else None,
@@ -396,6 +448,31 @@ def main(argv=None) -> dict:
                        muon_staging_bytes=int(muon[4]))
     if torch.cuda.is_available():
         summary["peak_device_bytes_rank0"] = torch.cuda.max_memory_allocated()
+    return summary
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_ds_config(args)
+    if not (args.resume or args.overwrite) and checkpointing.has_checkpoints(args.save_dir):
+        raise SystemExit(f"--save_dir {args.save_dir} holds checkpoints of an earlier run: pass --resume to "
+                         "continue it or --overwrite to discard it")
+    rank, world, resume = join_job(args, cfg)
+    tokenizer, train, val = load_data(args)
+    model, engine, n_params = build_engine(args, cfg, tokenizer.vocab_size)
+    telemetry = quantization_telemetry(engine, args.quant_report_interval, rank)
+    run = Run(args, rank, world, engine, engine.device, engine.train_micro_batch_size_per_gpu(),
+              engine.gradient_accumulation_steps())
+    start_step = first_step(run, resume)
+    log = MetricsLog(args.save_dir, start_step, args.tensorboard) if rank == 0 else None
+    if rank == 0:
+        print(f"{args.model}: {n_params / 1e6:.2f}M params, {world} rank(s), {run.tokens_per_step} tokens/step, "
+              f"optimizer {type(innermost_optimizer(engine)).__name__}, train {train.numel()} / "
+              f"val {val.numel()} tokens")
+    step_times, eval_loss = train_loop(run, train, val, telemetry, log, start_step)
+    if eval_loss is None:  # resumed from the final checkpoint: nothing trained, still report
+        eval_loss = evaluate(engine, val, args, run.mbs, rank, world, run.device)
+    summary = summarize(run, model, n_params, start_step, step_times, eval_loss)
     if rank == 0:
         (Path(args.save_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.close()
