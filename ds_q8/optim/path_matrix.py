@@ -15,7 +15,7 @@ from .group_options import correction_of, stochastic_params
 from .layout import segment_block_size
 from .pieces import TensorStep
 from .qstate import QuantizedState
-from .rules import Rule
+from .rules import MUON, Rule
 
 from .path_reference import block_codec, read_param, write_param
 
@@ -135,8 +135,6 @@ def exchange(layout, d: torch.Tensor) -> Dict[int, torch.Tensor]:
     return {pi: buf[offsets[pi]:offsets[pi] + cut[pi][0]] for pi in sorted(held)}
 
 
-#: the direction's codec follows the group's impl, as for a rule without a fused kernel
-MATRIX_CODEC_RULE = Rule("direction", ("direction",), (True,), None, has_kernel=False)
 
 
 def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Tensor]:
@@ -147,7 +145,7 @@ def _directions_8bit(layout, group: dict, d: torch.Tensor) -> Dict[int, torch.Te
     elsewhere) and one over their maxima, a quarter of the fp32 bytes. The values are the same bits
     wherever the edges fall. Returns ``{segment index: flat whole direction of its parameter}``."""
     qd = QuantizedState.create({}, layout, (True,), group["quantization"], d.device)
-    codec = block_codec(MATRIX_CODEC_RULE, group)
+    codec = block_codec(MUON, group)  # the direction's codec follows the group's impl, as Muon's momentum does
     qd.write([d], quantize=None if codec is None else codec.quantize)
     cmap = qd.maps(d.device)[0]
     dequantize = F.dequantize_flat if codec is None else codec.dequantize
