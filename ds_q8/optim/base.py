@@ -11,7 +11,8 @@ runs (``rule``, from ``rules.py``). Everything else is shared and lives in one p
   * the step: ``step.py`` (a function of the rule and the tensors' steps, kernels or reference),
     its non-finite decision: ``nonfinite.py``;
   * saving, loading and converting state, and adopting fp32 state a loader wrote: ``state_io.py``;
-  * the options every optimizer takes (:data:`OPTIONS`): written once, here.
+  * the options every optimizer takes (``group_options.OPTIONS``), with their checks and how the step
+    reads them: ``group_options.py``.
 
 ``block_size=None`` in a group means one block (one absmax) per parameter, for ablations.
 """
@@ -23,22 +24,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .. import functional as F
 from . import nonfinite as NF
 from . import state_io, telemetry
 from . import step as S
-from .checks import check_common_group, check_optimizer_kwargs
+from .checks import check_optimizer_kwargs
+from .group_options import OPTIONS, check_common_group
 from .layout import StateLayout
 from .qstate import QuantizedState, has_storage, is_8bit
 from .rules import Rule
 from .tensor_states import OPTIM_BITS_ATTR, TensorStates, uses_8bit
-
-#: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
-#: the others are each group's)
-OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
-               quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
-               correction_byte=False, impl="auto", nonfinite="skip")
-
 
 def _with_options(init) -> inspect.Signature:
     """``init``'s signature with ``**options`` spelled out as the keyword options of :data:`OPTIONS`,

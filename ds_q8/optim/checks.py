@@ -1,16 +1,10 @@
-"""Hyperparameter checks shared by every optimizer: each error names the field and its valid range."""
+"""Hyperparameter checks the optimizers share (ranges, betas, constructor keys): each error names the field
+and its valid range. The options every group has are checked in ``group_options.py``."""
 from __future__ import annotations
 
 import inspect
 import math
 from typing import Dict, List
-
-from .. import functional as F
-
-QUANTIZATIONS = ("dynamic", "linear")
-#: how the unsigned states (second moments) are requantized after each step
-STATE_ROUNDINGS = ("stochastic", "nearest")
-IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
 def _is_number(x) -> bool:
@@ -30,48 +24,6 @@ def check_range(name: str, value, lo: float, hi: float, lo_open: bool = False, h
     bad_hi = value >= hi if hi_open else value > hi
     if bad_lo or bad_hi:
         raise ValueError(f"{name} must be in {interval}, got {value}")
-
-
-def check_common_group(group: dict) -> None:
-    """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization,
-    stochastic rounding of parameters and of states, and impl."""
-    check_range("lr", group["lr"], 0.0, math.inf)
-    if group["block_size"] is not None:
-        try:
-            F.check_block_size(group["block_size"])
-        except ValueError:
-            raise ValueError(
-                f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}] "
-                f"or None (one block per tensor), got {group['block_size']!r}"
-            ) from None
-    mbs = group["min_8bit_size"]
-    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
-        raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
-    if group["optim_bits"] not in (8, 32) or isinstance(group["optim_bits"], bool):
-        raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
-    if group["quantization"] not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {group['quantization']!r}")
-    if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
-        raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
-                         f"got {group['stochastic_rounding']!r}")
-    correction = group.get("correction_byte", False)
-    if not isinstance(correction, bool):
-        raise ValueError(f"correction_byte must be true or false (an int8 of each bf16 parameter's rounding residue: "
-                         f"24-bit masters), got {correction!r}")
-    if correction and group["stochastic_rounding"] is True:
-        raise ValueError("correction_byte=true keeps what rounding to bf16 drops and writes bf16 parameters to "
-                         "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
-                         "null or false)")
-    if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
-        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how second moments are requantized: "
-                         f"right on average, or to the nearest code), got {group.get('state_rounding')!r}")
-    impl = group.get("impl", "auto")
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} (kernels with the reference as fallback, kernels or an error, "
-                         f"the reference only), got {impl!r}")
-    seed = group["sr_seed"]
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
-        raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")
 
 
 def resolve_betas(betas) -> tuple:
@@ -134,5 +86,5 @@ def check_optimizer_kwargs(cls, kwargs: dict) -> None:
         )
 
 
-__all__ = ["check_range", "check_common_group", "resolve_betas", "check_betas", "check_adam_group", "beta_hyper",
-           "QUANTIZATIONS", "STATE_ROUNDINGS", "check_optimizer_kwargs", "constructor_keys", "AUTO_IS_A_VALUE"]
+__all__ = ["check_range", "resolve_betas", "check_betas", "check_adam_group", "beta_hyper",
+           "check_optimizer_kwargs", "constructor_keys", "AUTO_IS_A_VALUE"]

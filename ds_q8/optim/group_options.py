@@ -1,19 +1,74 @@
-"""How a group's options are read by the step, each in one place: which code steps it (``impl``), how
-its 16-bit parameters are written (stochastic rounding or a correction byte) and how its states are
-requantized, and its states' maps. The options' defaults are ``base.OPTIONS`` and their checks
-``checks.py``."""
+"""The options every ds_q8 group has, in one place: their defaults (:data:`OPTIONS`), their checks
+(:func:`check_common_group`) and how the step reads them: which code steps a group (``impl``), how its
+16-bit parameters are written (stochastic rounding or a correction byte), how its states are
+requantized, and its states' maps."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import torch
 
 from .. import functional as F
 from . import qstate
+from .checks import check_range
 from .rules import Rule
 
 if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for the annotation
     from .pieces import TensorStep
+
+#: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
+#: the others are each group's)
+OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
+               quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
+               correction_byte=False, impl="auto", nonfinite="skip")
+QUANTIZATIONS = ("dynamic", "linear")
+#: how the unsigned states (second moments) are requantized after each step
+STATE_ROUNDINGS = ("stochastic", "nearest")
+IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
+
+
+def check_common_group(group: dict) -> None:
+    """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization,
+    stochastic rounding of parameters and of states, and impl."""
+    check_range("lr", group["lr"], 0.0, math.inf)
+    if group["block_size"] is not None:
+        try:
+            F.check_block_size(group["block_size"])
+        except ValueError:
+            raise ValueError(
+                f"block_size must be a power of two in [{F.MIN_BLOCK_SIZE}, {F.MAX_BLOCK_SIZE}] "
+                f"or None (one block per tensor), got {group['block_size']!r}"
+            ) from None
+    mbs = group["min_8bit_size"]
+    if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
+        raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
+    if group["optim_bits"] not in (8, 32) or isinstance(group["optim_bits"], bool):
+        raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+    if group["quantization"] not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {group['quantization']!r}")
+    if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
+        raise ValueError("stochastic_rounding must be true, false or null (on for bf16/fp16 parameters), "
+                         f"got {group['stochastic_rounding']!r}")
+    correction = group.get("correction_byte", False)
+    if not isinstance(correction, bool):
+        raise ValueError(f"correction_byte must be true or false (an int8 of each bf16 parameter's rounding residue: "
+                         f"24-bit masters), got {correction!r}")
+    if correction and group["stochastic_rounding"] is True:
+        raise ValueError("correction_byte=true keeps what rounding to bf16 drops and writes bf16 parameters to "
+                         "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
+                         "null or false)")
+    if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
+        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how second moments are requantized: "
+                         f"right on average, or to the nearest code), got {group.get('state_rounding')!r}")
+    impl = group.get("impl", "auto")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} (kernels with the reference as fallback, kernels or an error, "
+                         f"the reference only), got {impl!r}")
+    seed = group["sr_seed"]
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
+        raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")
+
 
 def group_impl(group: dict) -> str:
     """A group's ``impl`` (groups saved before the option existed are ``"auto"``)."""

@@ -37,7 +37,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from . import rounding
-from .checks import IMPLS
+from .group_options import IMPLS
 from .group_options import (corrected, correction_of, group_impl, maps_of, stochastic_params,  # noqa: F401
                             stochastic_states)
 from .path_kernel import fused_step_fp32_many, fused_step_many, kernel_rule  # noqa: F401
