@@ -6,7 +6,7 @@ pydoc-topics`` takes Python's documentation topics instead) with each optimizer 
 rate and seed: the same initial weights, batches and schedule (linear warmup, cosine decay to a tenth;
 ``--schedule constant``: the learning rate from the first step, no warmup) for every optimizer of a seed. Prints, per optimizer and learning
 rate, the mean and the range of the final validation loss over the seeds, the mean against 32-bit, how
-many seeds ended worse than 32-bit's worst seed, and the wall time of a run; writes every run to
+many seeds ended worse than 32-bit's worst seed, a rank-sum test of the two sets of seeds, and the wall time of a run; writes every run to
 ``--out``/convergence.json and the table to convergence.md.
 
     python launch/convergence.py                      # lr 1e-3, 4e-3, 1.6e-2 x seeds 0-5 x torch, ds_q8, bnb
@@ -376,6 +376,33 @@ def attach_drift(runs: List[dict], reference: str) -> None:
         del r["weights"]
 
 
+def rank_sum_p(a: List[float], b: List[float]) -> float:
+    """Two-sided p-value of the Wilcoxon rank-sum (Mann-Whitney U) test that ``a`` and ``b`` come from one
+    distribution: the normal approximation with the tie correction, fair from about eight values a side.
+    A seed-by-seed count such as "seeds worse than 32-bit's worst" is no such test: with one distribution
+    for both, each of m seeds ends above the worst of n with probability 1/(n+1), and with m = n at
+    least one does half of the time."""
+    m, n = len(a), len(b)
+    if m == 0 or n == 0:
+        return float("nan")
+    values = sorted((v, side) for side, xs in enumerate((a, b)) for v in xs)
+    ranks, ties, i = [0.0] * len(values), 0.0, 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1][0] == values[i][0]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[k] = (i + j) / 2 + 1
+        ties += (j - i + 1) ** 3 - (j - i + 1)
+        i = j + 1
+    u = sum(r for r, (_, side) in zip(ranks, values) if side == 0) - m * (m + 1) / 2
+    var = m * n / 12 * ((m + n + 1) - ties / ((m + n) * (m + n - 1)))
+    if var <= 0:
+        return 1.0
+    z = (abs(u - m * n / 2) - 0.5) / math.sqrt(var)  # with the continuity correction
+    return min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2)))
+
+
 def summarize(runs: List[dict], cfg: Config) -> List[dict]:
     rows = []
     reference = cfg.reference
@@ -400,6 +427,7 @@ def summarize(runs: List[dict], cfg: Config) -> List[dict]:
                              paired_sd=statistics.pstdev(paired) if len(paired) > 1 else float("nan"),
                              paired_worst=max(paired, key=abs) if paired else float("nan"),
                              worse_than_worst_32bit=sum(f > max(ref) for f in ok) + len(at) - len(ok) if ref else None,
+                             rank_sum_p=rank_sum_p(ok, ref),
                              seconds=sum(r["seconds"] for r in at) / len(at),
                              drift=statistics.fmean(r["drift"] for r in at), vs_reference=mean - ref_mean))
     return rows
@@ -408,17 +436,18 @@ def summarize(runs: List[dict], cfg: Config) -> List[dict]:
 def markdown_table(rows: List[dict], reference: str = "torch") -> str:
     ref_name = "32-bit" if reference == "torch" else reference
     head = ["optimizer", "peak lr", "final val loss, mean", "range over seeds", f"mean vs {ref_name}",
-            f"same seed vs {ref_name}: spread (sd), worst", f"seeds worse than {ref_name}'s worst", "diverged",
-            f"weight drift from {ref_name}", "s / run"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"same seed vs {ref_name}: spread (sd), worst", f"seeds worse than {ref_name}'s worst",
+            f"rank-sum p vs {ref_name}", "diverged", f"weight drift from {ref_name}", "s / run"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         ref = r["optimizer"] == reference
         vs = "" if ref else f"{r['vs_32bit']:+.2f}% ({r['vs_reference']:+.4f})"
         pair = "" if ref else f"{r['paired_sd']:.2f}%, {r['paired_worst']:+.2f}%"
         worse = "" if ref else f"{r['worse_than_worst_32bit']}/{r['runs']}"
         drift = "" if ref else f"{r['drift']:.2e}"
+        p = "" if ref else f"{r['rank_sum_p']:.2f}"
         lines.append(f"| {r['optimizer']} | {r['lr']:g} | {r['mean']:.4f} | {r['lo']:.4f} - {r['hi']:.4f} | {vs} | "
-                     f"{pair} | {worse} | {r['diverged']}/{r['runs']} | {drift} | {r['seconds']:.0f} |")
+                     f"{pair} | {worse} | {p} | {r['diverged']}/{r['runs']} | {drift} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 

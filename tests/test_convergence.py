@@ -63,3 +63,15 @@ def test_bad_arguments_name_the_field(argv, field, capsys):
     with pytest.raises(SystemExit):
         convergence.main(argv)
     assert field in capsys.readouterr().err
+
+
+def test_rank_sum_p_matches_the_normal_approximation_by_hand():
+    """[1, 2, 3] against [4, 5, 6]: U = 0 against a mean of 4.5 and a variance of 3 * 3 * 7 / 12 = 5.25, so
+    z = (4.5 - 0.5) / sqrt(5.25) and p = erfc(z / sqrt 2) = 0.0809; symmetric in its arguments; one set
+    against itself is no evidence (p = 1); ties take their mean rank."""
+    assert convergence.rank_sum_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.080856, abs=1e-6)
+    assert convergence.rank_sum_p([4, 5, 6], [1, 2, 3]) == pytest.approx(0.080856, abs=1e-6)
+    assert convergence.rank_sum_p([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    tied = convergence.rank_sum_p([1, 1, 2, 5], [1, 2, 2, 6])
+    assert 0.3 < tied < 1.0
+    assert convergence.rank_sum_p([], [1.0]) != convergence.rank_sum_p([], [1.0])  # nan
