@@ -6,8 +6,8 @@ pydoc-topics`` takes Python's documentation topics instead) with each optimizer 
 rate and seed: the same initial weights, batches and schedule (linear warmup, cosine decay to a tenth;
 ``--schedule constant``: the learning rate from the first step, no warmup) for every optimizer of a seed. Prints, per optimizer and learning
 rate, the mean and the range of the final validation loss over the seeds, the mean against 32-bit, how
-many seeds ended worse than 32-bit's worst seed, a rank-sum test of the two sets of seeds, and the wall time of a run; writes every run to
-``--out``/convergence.json and the table to convergence.md.
+many seeds ended worse than 32-bit's worst seed, a rank-sum test of the two sets of seeds, and the wall time of a run; writes every run
+(with its training loss, averaged over each 20 steps) to ``--out``/convergence.json and the table to convergence.md.
 
     python launch/convergence.py                      # lr 1e-3, 4e-3, 1.6e-2 x seeds 0-5 x torch, ds_q8, bnb
     python launch/convergence.py --lrs 4e-3 --seeds 0 1 2 3 --optimizers torch ds_q8 sim sim:m32 sim:sr
@@ -258,6 +258,10 @@ def evaluate(model, windows: torch.Tensor, cfg: Config, amp: bool = False) -> fl
     return total / (windows.shape[0] * cfg.context)
 
 
+#: the run's training-loss curve in convergence.json: the mean of every this many steps
+CURVE_EVERY = 20
+
+
 def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     torch.set_num_threads(1)
     train, val = gpt_data.load_splits(corpus(cfg), gpt_data.ByteTokenizer())
@@ -288,7 +292,9 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     final = float("nan") if reason else evaluate(model, windows, cfg, amp)
     weights = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
     return dict(optimizer=name, lr=lr, seed=seed, final_loss=final, reason=reason, weights=weights,
-                train_loss_last10=sum(losses[-10:]) / max(1, len(losses[-10:])), seconds=round(time.time() - t0, 1))
+                train_loss_last10=sum(losses[-10:]) / max(1, len(losses[-10:])), seconds=round(time.time() - t0, 1),
+                loss_curve=[sum(losses[i:i + CURVE_EVERY]) / len(losses[i:i + CURVE_EVERY])
+                            for i in range(0, len(losses), CURVE_EVERY)])
 
 
 def _run(job):
