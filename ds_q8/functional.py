@@ -70,23 +70,25 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _map_cache: dict = {}
 
 
-def create_dynamic_map(signed: bool = True) -> torch.Tensor:
-    """The 256 sorted float32 values of the dynamic tree map.
+def create_dynamic_map(signed: bool = True, bits: int = 8) -> torch.Tensor:
+    """The ``2**bits`` sorted float32 values of the dynamic tree map (256 for the 8-bit state).
 
-    Each non-zero entry is ``10**e * f`` for a decimal exponent ``e`` in -6..0 and a linear
-    fraction ``f`` in (0.1, 1): the more leading zero bits an index has, the smaller the exponent
-    and the fewer bits remain for the fraction. For exponent step ``i`` (0..6) the fractions are
-    the midpoints of ``k`` evenly spaced points in [0.1, 1], with ``k = 2**i + 1`` for the signed
-    map (mirrored for negative values) and ``k = 2**(i + 1) + 1`` for the unsigned map, whose
-    sign bit serves as one more fraction bit. Both maps contain 0 and 1.0. The signed map holds
-    127 negative values, 0 and 128 positive values.
+    Each non-zero entry is ``10**e * f`` for a decimal exponent ``e`` in ``-(bits-2)..0`` and a
+    linear fraction ``f`` in (0.1, 1): the more leading zero bits an index has, the smaller the
+    exponent and the fewer bits remain for the fraction. For exponent step ``i`` (0..bits-2) the
+    fractions are the midpoints of ``k`` evenly spaced points in [0.1, 1], with ``k = 2**i + 1`` for
+    the signed map (mirrored for negative values) and ``k = 2**(i + 1) + 1`` for the unsigned map,
+    whose sign bit serves as one more fraction bit. Both maps contain 0 and 1.0. The signed 8-bit
+    map holds 127 negative values, 0 and 128 positive values.
     """
-    key = ("dynamic", bool(signed))
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+    key = ("dynamic", bool(signed), bits)
     if key not in _map_cache:
         values = [0.0, 1.0]
-        for i in range(7):
+        for i in range(bits - 1):
             k = (2 ** i + 1) if signed else (2 ** (i + 1) + 1)
-            scale = 10.0 ** (i - 6)
+            scale = 10.0 ** (i - (bits - 2))
             for j in range(k - 1):
                 lo = 0.1 + 0.9 * j / (k - 1)
                 hi = 0.1 + 0.9 * (j + 1) / (k - 1)
@@ -94,7 +96,7 @@ def create_dynamic_map(signed: bool = True) -> torch.Tensor:
                 values.append(v)
                 if signed:
                     values.append(-v)
-        assert len(values) == 256, len(values)
+        assert len(values) == 2 ** bits, len(values)
         _map_cache[key] = torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
     return _map_cache[key].clone()
 
@@ -217,14 +219,15 @@ def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[t
     idx = torch.searchsorted(midpoints(code) if mid is None else mid, y, right=False)
     if random_bits is None:
         return idx.to(torch.uint8)
-    up = y >= code[idx.clamp(max=255)]
-    nb = torch.where(up, idx + 1, idx - 1).clamp(0, 255)
+    top = code.numel() - 1
+    up = y >= code[idx.clamp(max=top)]
+    nb = torch.where(up, idx + 1, idx - 1).clamp(0, top)
     lo, hi = torch.where(up, idx, nb), torch.where(up, nb, idx)
     c_lo = code[lo]
     u = (random_bits >> 8).to(torch.float32) * 5.9604644775390625e-08  # 24 bits times 2^-24, exact
     idx = torch.where(u * (code[hi] - c_lo) < y - c_lo, hi, lo)
     idx = torch.where((code[0] == 0) & (y > 0) & (idx == 0), torch.ones_like(idx), idx)  # the zero point
-    idx = torch.where(torch.isnan(y), torch.full_like(idx, 255), idx)
+    idx = torch.where(torch.isnan(y), torch.full_like(idx, top), idx)
     return idx.to(torch.uint8)
 
 

@@ -28,6 +28,8 @@ Optimizers:
                                     bf16rn: rounded to nearest; bf16cb: with a correction byte
                                     (correction_byte=True: 24-bit masters written to nearest)
   bnb          bitsandbytes' AdamW8bit, when bitsandbytes is installed (block 256)
+  torchao4     torchao's AdamW4bit, when torchao is installed (block 128, the 4-bit paper's maps)
+  q4[:...]     AdamW with 4-bit states simulated in plain PyTorch (launch/lowbit_sim.py names the variants)
   sim[:K+K]    AdamW whose states go through ds_q8.functional's block-wise quantization in plain
                PyTorch (slower), for changes the optimizer has no option for; sim alone rounds both
                states to nearest with ds_q8's zero point (= ds_q8:nearest):
@@ -65,6 +67,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_data  # noqa: E402
 import gpt_models  # noqa: E402
+import lowbit_sim  # noqa: E402
 from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmup, cosine to a tenth)
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
@@ -122,6 +125,11 @@ def split_name(name: str):
 
 
 def check_optimizer_name(name: str) -> None:
+    if name.startswith("q4"):
+        lowbit_sim.parse(name)
+        return
+    if name == "torchao4":
+        return
     base, changes = split_name(name)
     valid = {"torch": (), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
     if base not in valid:
@@ -221,6 +229,11 @@ class SimAdamW8bit(torch.optim.Optimizer):
 def make_optimizer(name: str, model, lr: float, seed: int):
     params = list(model.parameters())
     embeddings = [model.transformer.wte.weight, model.transformer.wpe.weight]
+    if name.startswith("q4"):
+        return lowbit_sim.SimAdamW4(params, lr=lr, spec=lowbit_sim.parse(name), seed=1_000 + seed)
+    if name == "torchao4":
+        import torchao.optim
+        return torchao.optim.AdamW4bit(params, lr=lr)
     base, changes = split_name(name)
     if base == "torch":
         return torch.optim.AdamW(params, lr=lr, foreach=False)
@@ -242,6 +255,14 @@ def make_optimizer(name: str, model, lr: float, seed: int):
 
 
 # ---------------------------------------------------------------- one run
+def set_lr(group: dict, value: float) -> None:
+    """torchao's optimizers keep the learning rate as a tensor and refuse a float in its place."""
+    if isinstance(group["lr"], torch.Tensor):
+        group["lr"].fill_(value)
+    else:
+        group["lr"] = value
+
+
 def forward(model, x: torch.Tensor, amp: bool) -> torch.Tensor:
     """fp32 logits; ``amp``: the model's matrix products in bf16 (autocast)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -279,7 +300,7 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     losses, reason = [], ""
     for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = learning_rate(step, lr, cfg)
+            set_lr(g, learning_rate(step, lr, cfg))
         x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
         loss = torch.nn.functional.cross_entropy(forward(model, x, amp).reshape(-1, VOCAB), y.reshape(-1))
         if not torch.isfinite(loss):
@@ -329,7 +350,7 @@ def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
                for n, p in named.items()}
     for step in range(cfg.steps):
         for g in opt.param_groups:
-            g["lr"] = learning_rate(step, lr, cfg)
+            set_lr(g, learning_rate(step, lr, cfg))
         x, y = gpt_data.get_batch(train, cfg.batch, cfg.context, seed, 0, step)
         loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)

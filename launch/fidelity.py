@@ -22,6 +22,10 @@ defaults), ``ds_q8:bsN`` (block_size=N), ``bnb`` (bitsandbytes' AdamW8bit, when 
 ``lamb8``, ``ademamix8`` and ``muon8`` compare Lion8bitBlock, LAMB8bitBlock, AdEMAMix8bitBlock and
 Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
 ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
+``q4[:m=...][:v=...]`` is AdamW with 4-bit states simulated in plain PyTorch (``launch/lowbit_sim.py``
+names the variants), ``torchao4``/``torchao8`` torchao's AdamW4bit/AdamW8bit (when torchao is installed):
+
+    python launch/fidelity.py --optimizers torchao4 q4 "q4:m=lins,vb64,n:v=log5h,b64f,n"
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_data  # noqa: E402
 import gpt_models  # noqa: E402
+import lowbit_sim  # noqa: E402
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 #: default layers per width: enough matrices to show mixing, few enough to run on a laptop CPU
@@ -67,6 +72,10 @@ def build(arch: str, width: int, layers: int, context: int, seed: int) -> torch.
 
 
 def split(name: str) -> Tuple[str, Dict[str, int]]:
+    if name.startswith("q4"):
+        return "q4", dict(spec=lowbit_sim.parse(name))
+    if name in ("torchao4", "torchao8"):
+        return name, {}
     base, *changes = name.split(":")
     options = {}
     for c in changes:
@@ -82,6 +91,13 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
     base, options = split(name)
     if base == "torch":
         return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=False)
+    if base == "q4":
+        return lambda ps: lowbit_sim.SimAdamW4(ps, lr=lr, weight_decay=weight_decay, **options)
+    if base.startswith("torchao"):
+        import torchao.optim
+
+        cls = torchao.optim.AdamW4bit if base == "torchao4" else torchao.optim.AdamW8bit
+        return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay)
     if base == "bnb":
         import bitsandbytes as bnb
 
@@ -151,7 +167,7 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
     rows = []
     for name in optimizers:
         base, options = split(name)
-        ref_name = "torch" if base in ("torch", "ds_q8", "bnb") else base + "@32"
+        ref_name = base + "@32" if base in FAMILY else "torch"
         if ref_name not in refs:
             make_ref = make("torch", lr, weight_decay) if ref_name == "torch" else make(base, lr, weight_decay, 32)
             refs[ref_name] = train(model_fn, make_ref, text, steps, batch, context, seed)
