@@ -217,16 +217,21 @@ def state_bytes(spec: Dict[str, Tuple[str, str, str]], shape) -> float:
     return total
 
 
-def after_a_fall(name: str, at=(100, 300, 1000, 3000), shape=(64, 128), fall=0.01, seed=0):
-    """How a second moment follows gradients that fall ``1/fall``-fold after step 100: the median over
-    the elements of the stored second moment over the true one, at the steps ``at``. ``name`` is a
-    4-bit variant or ``ds_q8`` (AdamW8bitBlock at its defaults)."""
+def after_a_fall(name: str, at=(100, 300, 1000, 3000), shape=(64, 128), fall=0.01, decades=0.0, seed=0):
+    """How a second moment follows gradients that fall ``1/fall``-fold after step 100 (``fall=1``: they
+    do not): the median over the elements of the stored second moment over the true one, and the range
+    of 90% of them, at the steps ``at``. Each element's gradients have their own scale, spread evenly
+    in log over ``decades`` (0: all alike). ``name`` is a 4-bit variant, ``ds_q8`` (AdamW8bitBlock at
+    its defaults) or ``ds_q8:nearest`` (its second moment rounded to nearest)."""
     torch.manual_seed(seed)
     p = torch.nn.Parameter(torch.zeros(shape))
-    if name == "ds_q8":
+    n = math.prod(shape)
+    scale = torch.logspace(-decades, 0, n)[torch.randperm(n)].view(shape)
+    if name.startswith("ds_q8"):
         import ds_q8
 
-        opt = ds_q8.AdamW8bitBlock([p], lr=1e-3, weight_decay=0.0)
+        rounding = "nearest" if name == "ds_q8:nearest" else "stochastic"
+        opt = ds_q8.AdamW8bitBlock([p], lr=1e-3, weight_decay=0.0, state_rounding=rounding)
         stored = lambda: opt.dequantized_state(p)["exp_avg_sq"]  # noqa: E731
     else:
         opt = SimAdamW4([p], lr=1e-3, weight_decay=0.0, spec=parse(name))
@@ -234,7 +239,7 @@ def after_a_fall(name: str, at=(100, 300, 1000, 3000), shape=(64, 128), fall=0.0
     true_v = torch.zeros(shape)
     rows = []
     for t in range(1, max(at) + 1):
-        g = torch.randn(shape) * (1.0 if t <= 100 else fall)
+        g = torch.randn(shape) * scale * (1.0 if t <= 100 else fall)
         p.grad = g.clone()
         opt.step()
         true_v.mul_(0.999).addcmul_(g, g, value=0.001)
@@ -248,23 +253,27 @@ def after_a_fall(name: str, at=(100, 300, 1000, 3000), shape=(64, 128), fall=0.0
 def main(argv=None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="How each variant's second moment follows a fall of the gradients")
-    ap.add_argument("names", nargs="+", help="4-bit variants (q4:...) or ds_q8")
-    ap.add_argument("--fall", type=float, default=0.01, help="gradient scale after step 100 (default 0.01)")
+    ap = argparse.ArgumentParser(description="How each variant's second moment follows the gradients' scale")
+    ap.add_argument("names", nargs="+", help="4-bit variants (q4:...), ds_q8 or ds_q8:nearest")
+    ap.add_argument("--fall", type=float, default=0.01, help="gradient scale after step 100 (default 0.01; 1: none)")
+    ap.add_argument("--decades", type=float, default=0.0,
+                    help="spread of the elements' gradient scales, in decades (default 0: all alike)")
     args = ap.parse_args(argv)
     for name in args.names:
-        if name != "ds_q8":
+        if name not in ("ds_q8", "ds_q8:nearest"):
             try:
                 parse(name)
             except ValueError as e:
                 ap.error(str(e))
     if not 0 < args.fall:
         ap.error(f"--fall must be > 0, got {args.fall}")
+    if not 0 <= args.decades <= 6:
+        ap.error(f"--decades must be in [0, 6], got {args.decades}")
     print("| variant | state bytes/param | " + " | ".join(f"step {t}" for t in (100, 300, 1000, 3000))
           + " | step 3000, 5-95% of elements |\n|---|---:|---:|---:|---:|---:|---:|")
     for name in args.names:
-        rows = after_a_fall(name, fall=args.fall)
-        size = "2.062" if name == "ds_q8" else f"{state_bytes(parse(name), (4096, 4096)):.3f}"
+        rows = after_a_fall(name, fall=args.fall, decades=args.decades)
+        size = "2.062" if name.startswith("ds_q8") else f"{state_bytes(parse(name), (4096, 4096)):.3f}"
         print(f"| {name} | {size} | " + " | ".join(f"{r['median']:.2f}" for r in rows)
               + f" | {rows[-1]['q05']:.2f} - {rows[-1]['q95']:.2f} |")
     return 0
