@@ -45,19 +45,21 @@ BLOCK_SIZE = 64
 V_LOW = 0.05
 
 
-def _v_map() -> torch.Tensor:
-    roots = V_LOW ** (torch.arange(15, -1, -1, dtype=torch.float64) / 15)
+def root_geometric_map(low: float) -> torch.Tensor:
+    """16 float32 values of v, ascending, whose square roots run geometrically from ``low`` to 1."""
+    roots = low ** (torch.arange(15, -1, -1, dtype=torch.float64) / 15)
     return (roots * roots).to(torch.float32)
 
 
-def _v_midpoints(v_map: torch.Tensor) -> torch.Tensor:
+def root_midpoints(v_map: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries of a second-moment map: where ``1/sqrt`` lies halfway between neighbours."""
     inv = v_map.double().rsqrt()
     return (4.0 / (inv[:-1] + inv[1:]) ** 2).to(torch.float32)
 
 
 #: second moment: 16 float32 values, ascending, the largest 1.0
-V_MAP = _v_map()
-V_MIDPOINTS = _v_midpoints(V_MAP)
+V_MAP = root_geometric_map(V_LOW)
+V_MIDPOINTS = root_midpoints(V_MAP)
 #: first moment (as m / sqrt(v)): 15 float32 values k / 7, ascending
 M_MAP = (torch.arange(-7, 8, dtype=torch.float64) / 7).to(torch.float32)
 M_MIDPOINTS = F.midpoints(M_MAP)
@@ -87,22 +89,6 @@ def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return torch.stack([p & 0x0F, p >> 4], dim=1).reshape(-1)[:numel]
 
 
-def _per_block(x: torch.Tensor, block_size: int, reduce) -> torch.Tensor:
-    n = x.numel()
-    nb = F.num_blocks(n, block_size)
-    return reduce(torch.nn.functional.pad(x, (0, nb * block_size - n)).view(nb, block_size))
-
-
-def _scaled(x: torch.Tensor, block_max: torch.Tensor, block_size: int) -> torch.Tensor:
-    a = block_max.to(torch.float32)
-    inv = torch.where(a > 0, 1.0 / a, torch.zeros_like(a))
-    return x * inv.repeat_interleave(block_size)[: x.numel()]
-
-
-def _expand(block_values: torch.Tensor, block_size: int, n: int) -> torch.Tensor:
-    return block_values.to(torch.float32).repeat_interleave(block_size)[:n]
-
-
 def encode(m: torch.Tensor, v: torch.Tensor, block_size: int = BLOCK_SIZE) -> Adam4:
     """The 4-bit state of float32 moments ``m`` and ``v`` (same shape, ``v >= 0``, finite)."""
     m = m.reshape(-1).to(torch.float32)
@@ -110,22 +96,21 @@ def encode(m: torch.Tensor, v: torch.Tensor, block_size: int = BLOCK_SIZE) -> Ad
     n = m.numel()
     if v.numel() != n:
         raise ValueError(f"m and v must have as many elements, got {n} and {v.numel()}")
-    v_max = _per_block(v, block_size, lambda b: b.amax(dim=1))
-    v_idx = torch.searchsorted(V_MIDPOINTS.to(v.device), _scaled(v, v_max, block_size))
-    v_hat = V_MAP.to(v.device)[v_idx] * _expand(v_max, block_size, n)
-    root = v_hat.sqrt()
+    v_map, m_map = V_MAP.to(v.device), M_MAP.to(m.device)
+    v_max = F.block_max(v, block_size)
+    v_idx = F.quantize_with_absmax(v, v_max, v_map, block_size, mid=V_MIDPOINTS.to(v.device))
+    root = F.dequantize_flat(v_idx, v_max, v_map, block_size).sqrt()
     r = torch.where(root > 0, m / root, torch.zeros_like(m))
-    m_absmax = F.stored_absmax(_per_block(r.abs(), block_size, lambda b: b.amax(dim=1)))
-    m_idx = torch.searchsorted(M_MIDPOINTS.to(m.device), _scaled(r, m_absmax, block_size))
+    m_absmax = F.block_absmax(r, block_size)
+    m_idx = F.quantize_with_absmax(r, m_absmax, m_map, block_size, mid=M_MIDPOINTS.to(m.device))
     return Adam4(pack(m_idx), m_absmax, pack(v_idx), v_max, n)
 
 
 def decode(state: Adam4, block_size: int = BLOCK_SIZE):
     """``(m, v)`` as float32, flat, as the step reads them."""
     n = state.numel
-    v_map, m_map = V_MAP.to(state.v_codes.device), M_MAP.to(state.m_codes.device)
-    v_hat = v_map[unpack(state.v_codes, n).long()] * _expand(state.v_max, block_size, n)
-    r_hat = m_map[unpack(state.m_codes, n).long()] * _expand(state.m_absmax, block_size, n)
+    v_hat = F.dequantize_flat(unpack(state.v_codes, n), state.v_max, V_MAP.to(state.v_codes.device), block_size)
+    r_hat = F.dequantize_flat(unpack(state.m_codes, n), state.m_absmax, M_MAP.to(state.m_codes.device), block_size)
     return r_hat * v_hat.sqrt(), v_hat
 
 
@@ -135,5 +120,5 @@ def state_bytes_per_param(numel: int, block_size: int = BLOCK_SIZE) -> float:
     return (2 * math.ceil(numel / 2) + blocks * (2 + 4)) / numel
 
 
-__all__ = ["BLOCK_SIZE", "V_MAP", "V_MIDPOINTS", "M_MAP", "M_MIDPOINTS", "Adam4", "pack", "unpack", "encode",
+__all__ = ["BLOCK_SIZE", "root_geometric_map", "root_midpoints", "V_MAP", "V_MIDPOINTS", "M_MAP", "M_MIDPOINTS", "Adam4", "pack", "unpack", "encode",
            "decode", "state_bytes_per_param"]

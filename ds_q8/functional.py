@@ -199,9 +199,10 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int,
-                         random_bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         random_bits: Optional[torch.Tensor] = None, mid: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Codes of a flat float32 tensor given its per-block absmax (no validation: internal): to the
-    nearest entry, or stochastically with ``random_bits`` (32 per element, int64; see the module doc)."""
+    nearest entry, or stochastically with ``random_bits`` (32 per element, int64; see the module doc).
+    ``mid`` replaces :func:`midpoints` of ``code`` as the decision boundaries (``format4.py``'s second moment)."""
     n = x.numel()
     nb = absmax.numel()
     a = absmax.to(torch.float32)
@@ -209,7 +210,7 @@ def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     pad = nb * block_size - n
     xs = torch.nn.functional.pad(x, (0, pad)) if pad else x
     y = (xs.view(nb, block_size) * scale[:, None]).reshape(-1)[:n]
-    return quantize_scaled(y, code, random_bits)
+    return quantize_scaled(y, code, random_bits, mid)
 
 
 def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[torch.Tensor] = None,

@@ -25,7 +25,7 @@ Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the 
 ``q4[:m=...][:v=...]`` is AdamW with 4-bit states simulated in plain PyTorch (``launch/lowbit_sim.py``
 names the variants), ``torchao4``/``torchao8`` torchao's AdamW4bit/AdamW8bit (when torchao is installed):
 
-    python launch/fidelity.py --optimizers torchao4 q4 "q4:m=lins,vb64,n:v=log5h,b64f,n"
+    python launch/fidelity.py --optimizers torchao4 q4 "q4:m=lin0,vb64,n:v=log5h,b64f,n"
 """
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ds_q8 import format4
 from ds_q8 import functional as F
 
 BITS = 4
@@ -63,7 +64,7 @@ def _map(name: str, signed: bool) -> torch.Tensor:
     if name == "nf4" and signed:
         return torch.tensor(NF4)
     if name == "lin0" and signed:  # 15 levels k/7 with 0: code 15 is never used
-        return (torch.arange(-7, 8, dtype=torch.float64) / 7).float()
+        return format4.M_MAP.clone()
     if name == "lins" and signed:
         return torch.linspace(-1, 1, 2 ** BITS, dtype=torch.float64).float()
     steps = torch.arange(1, 2 ** BITS + 1, dtype=torch.float64) / 2 ** BITS
@@ -71,12 +72,9 @@ def _map(name: str, signed: bool) -> torch.Tensor:
         return steps.float()
     if name == "sq" and not signed:
         return (steps ** 2).float()
-    if name.startswith("log") and name.endswith("h") and not signed:
-        return _map(name[:-1], signed)
-    if name.startswith("log") and not signed:
-        low = {"log1": 0.01, "log2": 0.02, "log5": 0.05, "log10": 0.1}[name]
-        roots = low ** (torch.arange(15, -1, -1, dtype=torch.float64) / 15)
-        return (roots ** 2).float()
+    lows = {"log1": 0.01, "log2": 0.02, "log5": 0.05, "log10": 0.1}
+    if name.rstrip("h") in lows and not signed:
+        return format4.root_geometric_map(lows[name.rstrip("h")])
     if name == "p4" and not signed:
         return (steps ** 4).float()
     raise ValueError(f"unknown {'signed' if signed else 'unsigned'} 4-bit map {name!r}")
@@ -112,21 +110,15 @@ def _scales(x: torch.Tensor, norm: str) -> torch.Tensor:
         cols = stored(a.amax(dim=0))
         return torch.minimum(rows[:, None], cols[None, :])
     size = 128 if norm == "r1" else int(norm[1:])
-    flat = a.reshape(-1)
-    nb = F.num_blocks(flat.numel(), size)
-    padded = torch.nn.functional.pad(flat, (0, nb * size - flat.numel()))
-    per_block = stored(padded.view(nb, size).amax(dim=1))
-    return per_block.repeat_interleave(size)[: flat.numel()].view(x.shape)
+    per_block = stored(F.block_max(a.reshape(-1), size))
+    return per_block.repeat_interleave(size)[: x.numel()].view(x.shape)
 
 
 def midpoints(name: str, code: torch.Tensor) -> torch.Tensor:
     """Decision boundaries: ds_q8's (``functional.midpoints``), or for a second-moment map named ``...h``
     the value whose 1/sqrt lies halfway between its neighbours' (rounding then leaves 1/sqrt(v), the
     factor the update takes, unbiased on average instead of v)."""
-    if not name.endswith("h"):
-        return F.midpoints(code)
-    inv = code.double().rsqrt()
-    return (4.0 / (inv[:-1] + inv[1:]) ** 2).float()
+    return format4.root_midpoints(code) if name.endswith("h") else F.midpoints(code)
 
 
 def roundtrip(x: torch.Tensor, code: torch.Tensor, norm: str, rounding: str, gen: torch.Generator,
@@ -226,7 +218,7 @@ def after_a_fall(name: str, at=(100, 300, 1000, 3000), shape=(64, 128), fall=0.0
     torch.manual_seed(seed)
     p = torch.nn.Parameter(torch.zeros(shape))
     n = math.prod(shape)
-    scale = torch.logspace(-decades, 0, n)[torch.randperm(n)].view(shape)
+    scale = torch.logspace(-decades, 0, n)[torch.randperm(n)].view(shape) if decades else torch.ones(shape)
     if name.startswith("ds_q8"):
         import ds_q8
 
