@@ -1,8 +1,8 @@
 """Adam's two moments in 4 bits each: the format, written in plain PyTorch (the specification).
 
-Not an optimizer option yet: this module fixes the format that ``docs/four-bit.md`` chose from
-measurement, so that kernels can be written against it and tested for identical codes, as the 8-bit
-kernels are against ``functional.py``.
+The format that ``docs/four-bit.md`` chose from measurement, which ``optim_bits=4`` stores (the
+reference step, ``optim/path_four.py``, is written with these functions): kernels are tested against
+it for identical codes, as the 8-bit kernels are against ``functional.py``.
 
 Format
 ------
@@ -23,10 +23,13 @@ flattened parameter; the last block may be shorter). Per block:
   the code the number of ``M_MIDPOINTS`` below ``y``. ``M_MAP`` is ``k / 7`` for ``k`` in -7..7: even
   levels with 0, so that an element without gradients keeps a first moment of exactly 0 (code 15 is
   never written). Decoded: ``M_MAP[code] * absmax * sqrt(v_hat)``.
-* **Packing**: two codes a byte, the element at an even offset from the start of what is packed in the
-  low nibble; an odd count ends with a high nibble of 0. The offset counts from the first element a
-  rank holds, so a partition edge never splits a byte between two ranks: ranks hold the same codes,
-  packed from their own edge.
+* **Packing**: two codes a byte, by the element's index in its *parameter*: elements ``2j`` and
+  ``2j + 1`` share byte ``j``, ``2j`` in the low nibble. A slice that starts at an odd index or ends
+  before one has a nibble of 0 where the element it does not hold would be. So where a nibble lies
+  never depends on where a partition edge falls: two ranks that split a byte each hold it with their
+  own half, and their two bytes OR'ed are the unsharded byte.
+
+Square roots are correctly rounded (``mathops.sqrt_rn``), as every kernel takes them.
 
 Bytes per parameter and state: half a byte of code, plus 2 (first moment) or 4 (second moment) bytes a
 block: 1.094 for both at blocks of 64 (the 8-bit state: 2.062).
@@ -34,7 +37,7 @@ block: 1.094 for both at blocks of 64 (the 8-bit state: 2.062).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -74,44 +77,87 @@ class Adam4(NamedTuple):
     numel: int
 
 
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """Codes 0..15 (uint8, flat) two a byte: even offsets in the low nibble."""
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root (``optim/mathops.py`` explains why not torch's)."""
+    return x.double().sqrt_().to(torch.float32)
+
+
+def packed_bytes(first: int, numel: int) -> int:
+    """Bytes that hold the codes of ``numel`` elements from index ``first`` of their parameter."""
+    return 0 if numel <= 0 else (first + numel + 1) // 2 - first // 2
+
+
+def pack(codes: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """Codes 0..15 (uint8, flat) of elements from index ``first`` of their parameter, two a byte
+    (module doc); the nibbles of elements outside the slice are 0."""
     c = codes.reshape(-1).to(torch.uint8)
-    if c.numel() % 2:
-        c = torch.cat([c, c.new_zeros(1)])
+    if c.numel() == 0:
+        return c
+    lead, tail = first % 2, (first + c.numel()) % 2
+    if lead or tail:
+        c = torch.cat([c.new_zeros(lead), c, c.new_zeros(tail)])
     pairs = c.view(-1, 2)
     return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
-def unpack(packed: torch.Tensor, numel: int) -> torch.Tensor:
-    """The ``numel`` codes of :func:`pack`'s bytes."""
+def unpack(packed: torch.Tensor, numel: int, first: int = 0) -> torch.Tensor:
+    """The ``numel`` codes of :func:`pack`'s bytes (elements from index ``first`` of their parameter)."""
     p = packed.reshape(-1)
-    return torch.stack([p & 0x0F, p >> 4], dim=1).reshape(-1)[:numel]
+    lead = first % 2
+    return torch.stack([p & 0x0F, p >> 4], dim=1).reshape(-1)[lead:lead + numel]
+
+
+def encode_v(v: torch.Tensor, block_size: int, v_max: Optional[torch.Tensor] = None):
+    """``(codes, v_max)`` of a second moment (flat float32, ``v >= 0``): ``v_max`` float32 per block,
+    the blocks' maxima unless given (a block that a partition edge cuts: agreed across ranks)."""
+    if v_max is None:
+        v_max = F.block_max(v, block_size)
+    return F.quantize_with_absmax(v, v_max, V_MAP.to(v.device), block_size, mid=V_MIDPOINTS.to(v.device)), v_max
+
+
+def decode_v(codes: torch.Tensor, v_max: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The second moment (float32) of unpacked codes and their blocks' maxima."""
+    return F.dequantize_flat(codes, v_max, V_MAP.to(codes.device), block_size)
+
+
+def ratio(m: torch.Tensor, v_hat: torch.Tensor) -> torch.Tensor:
+    """What the first moment is stored as: ``m / sqrt(v_hat)``, 0 where ``v_hat`` is 0."""
+    root = sqrt_rn(v_hat)
+    return torch.where(root > 0, m / root, torch.zeros_like(m))
+
+
+def encode_m(m: torch.Tensor, v_hat: torch.Tensor, block_size: int, absmax: Optional[torch.Tensor] = None):
+    """``(codes, absmax)`` of a first moment against its decoded second moment ``v_hat``; ``absmax``
+    (bfloat16 per block) from the blocks unless given (stored form of an agreed maximum)."""
+    r = ratio(m, v_hat)
+    if absmax is None:
+        absmax = F.block_absmax(r, block_size)
+    return F.quantize_with_absmax(r, absmax, M_MAP.to(m.device), block_size, mid=M_MIDPOINTS.to(m.device)), absmax
+
+
+def decode_m(codes: torch.Tensor, absmax: torch.Tensor, v_hat: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The first moment (float32) of unpacked codes, their blocks' maxima and the decoded ``v_hat``."""
+    return F.dequantize_flat(codes, absmax, M_MAP.to(codes.device), block_size) * sqrt_rn(v_hat)
 
 
 def encode(m: torch.Tensor, v: torch.Tensor, block_size: int = BLOCK_SIZE) -> Adam4:
-    """The 4-bit state of float32 moments ``m`` and ``v`` (same shape, ``v >= 0``, finite)."""
+    """The 4-bit state of float32 moments ``m`` and ``v`` (same shape, ``v >= 0``, finite) of a whole
+    parameter."""
     m = m.reshape(-1).to(torch.float32)
     v = v.reshape(-1).to(torch.float32)
     n = m.numel()
     if v.numel() != n:
         raise ValueError(f"m and v must have as many elements, got {n} and {v.numel()}")
-    v_map, m_map = V_MAP.to(v.device), M_MAP.to(m.device)
-    v_max = F.block_max(v, block_size)
-    v_idx = F.quantize_with_absmax(v, v_max, v_map, block_size, mid=V_MIDPOINTS.to(v.device))
-    root = F.dequantize_flat(v_idx, v_max, v_map, block_size).sqrt()
-    r = torch.where(root > 0, m / root, torch.zeros_like(m))
-    m_absmax = F.block_absmax(r, block_size)
-    m_idx = F.quantize_with_absmax(r, m_absmax, m_map, block_size, mid=M_MIDPOINTS.to(m.device))
+    v_idx, v_max = encode_v(v, block_size)
+    m_idx, m_absmax = encode_m(m, decode_v(v_idx, v_max, block_size), block_size)
     return Adam4(pack(m_idx), m_absmax, pack(v_idx), v_max, n)
 
 
 def decode(state: Adam4, block_size: int = BLOCK_SIZE):
     """``(m, v)`` as float32, flat, as the step reads them."""
     n = state.numel
-    v_hat = F.dequantize_flat(unpack(state.v_codes, n), state.v_max, V_MAP.to(state.v_codes.device), block_size)
-    r_hat = F.dequantize_flat(unpack(state.m_codes, n), state.m_absmax, M_MAP.to(state.m_codes.device), block_size)
-    return r_hat * v_hat.sqrt(), v_hat
+    v_hat = decode_v(unpack(state.v_codes, n), state.v_max, block_size)
+    return decode_m(unpack(state.m_codes, n), state.m_absmax, v_hat, block_size), v_hat
 
 
 def state_bytes_per_param(numel: int, block_size: int = BLOCK_SIZE) -> float:
@@ -120,5 +166,5 @@ def state_bytes_per_param(numel: int, block_size: int = BLOCK_SIZE) -> float:
     return (2 * math.ceil(numel / 2) + blocks * (2 + 4)) / numel
 
 
-__all__ = ["BLOCK_SIZE", "root_geometric_map", "root_midpoints", "V_MAP", "V_MIDPOINTS", "M_MAP", "M_MIDPOINTS", "Adam4", "pack", "unpack", "encode",
-           "decode", "state_bytes_per_param"]
+__all__ = ["BLOCK_SIZE", "root_geometric_map", "root_midpoints", "V_MAP", "V_MIDPOINTS", "M_MAP", "M_MIDPOINTS", "Adam4", "packed_bytes", "pack", "unpack",
+           "encode_v", "decode_v", "ratio", "encode_m", "decode_m", "encode", "decode", "state_bytes_per_param"]

@@ -42,6 +42,8 @@ def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, 
         return 0
     if bits == 8 and numel >= min_8bit_size:
         return num_states * (numel + ABSMAX_BYTES * F.num_blocks(numel, block_size))
+    if bits == 4 and numel >= min_8bit_size:  # Adam's two moments (format4.py): bf16 and fp32 maxima
+        return 2 * ((numel + 1) // 2) + (ABSMAX_BYTES + 4) * F.num_blocks(numel, block_size)
     return num_states * 4 * numel
 
 
@@ -109,7 +111,8 @@ def rank_segments(sizes: Sequence[int], stage: int, world_size: int, rank: int) 
     return out
 
 
-def rank_layout(sizes: Sequence[int], stage: int, world_size: int, rank: int, eight_bit, block_size) -> StateLayout:
+def rank_layout(sizes: Sequence[int], stage: int, world_size: int, rank: int, eight_bit, block_size,
+                state_bits: int = 8) -> StateLayout:
     """The layout of what ``rank`` holds of one group (:func:`rank_segments`, slices side by side), with
     ``eight_bit(i)`` saying whether parameter ``i`` keeps 8-bit state: the object whose storage the
     optimizer will allocate, so the estimate counts what it will hold."""
@@ -118,7 +121,8 @@ def rank_layout(sizes: Sequence[int], stage: int, world_size: int, rank: int, ei
         segments.append(Segment(offset, numel, i, start, int(sizes[i]), bool(eight_bit(i))))
         offset += numel
     cut = shared_blocks(segments, block_size)
-    return StateLayout((offset,), segments, block_size, slots={b: j for j, b in enumerate(cut)}, num_slots=len(cut))
+    return StateLayout((offset,), segments, block_size, slots={b: j for j, b in enumerate(cut)}, num_slots=len(cut),
+                       state_bits=state_bits)
 
 
 def _check_layout_args(stage, world_size) -> None:
@@ -159,13 +163,13 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
         total = 0
         for gi, sizes in enumerate(groups):
             b = group_bits[gi] if group_bits is not None else bits
-            if b not in (8, 32):
-                raise ValueError(f"bits must be 8 or 32, got {b!r}")
+            if b not in (4, 8, 32):
+                raise ValueError(f"bits must be 4, 8 or 32, got {b!r}")
             def eight_bit(i, gi=gi, b=b):
                 pb = param_bits[gi][i] if param_bits is not None else 8
-                return b == 8 and pb == 8 and int(sizes[i]) >= min_8bit_size
+                return b in (4, 8) and pb != 32 and int(sizes[i]) >= min_8bit_size
 
-            layout = rank_layout(sizes, stage, world_size, r, eight_bit, block_size)
+            layout = rank_layout(sizes, stage, world_size, r, eight_bit, block_size, state_bits=4 if b == 4 else 8)
             k = k_all if group_states is None else group_states[gi]
             total += sum(QuantizedState.bytes_for(layout, k).values())
         best = max(best, total)
@@ -186,7 +190,10 @@ LADDER = {
     "e": ("ds_q8 Adam8bitBlock, bf16 masters: the parameters themselves, no copies", "Adam8bitBlock", 0, 0, None, 0),
     "f": ("ds_q8 Adam8bitBlock, bf16 masters in place with a correction byte (24-bit masters)", "Adam8bitBlock", 0,
           0, None, 1),
+    "g": ("ds_q8 Adam8bitBlock with optim_bits=4, bf16 masters in place", "Adam8bitBlock", 0, 0, None, 0),
 }
+#: the rungs whose ds_q8 state is not 8-bit: their bits (``optim_bits``) for every group not kept in fp32
+LADDER_BITS = {"g": 4}
 MODEL_STATE_PARTS = ("params", "grads", "masters", "master_grads", "optimizer_states")
 
 
@@ -204,11 +211,15 @@ def predict_model_states(groups: Sequence[Sequence[int]], rung: str, block_size:
       when one group holds most parameters;
     * ``optimizer_states``: two Adam moments per padded element, or ds_q8's per-parameter 8-bit state
       (``group_bits``: 32 for a group kept in fp32, such as ``ds_q8.param_groups``'s embeddings), and
-      with ``correction_byte=True`` (rung f) one byte per padded element of the masters.
+      with ``correction_byte=True`` (rung f) one byte per padded element of the masters; rung (g) keeps
+      the 8-bit groups' moments in 4 bits (``optim_bits=4``).
     """
     if rung not in LADDER:
         raise ValueError(f"rung must be one of {sorted(LADDER)}, got {rung!r}")
     _, optimizer, master, master_grad, moment, correction = LADDER[rung]
+    if rung in LADDER_BITS:
+        bits = LADDER_BITS[rung]
+        group_bits = [bits if b != 32 else 32 for b in (group_bits or [8] * len(groups))]
     sizes = [sum(int(n) for n in g) for g in groups]
     padded = sum(math.ceil(n / 2) * 2 for n in sizes)
     total = sum(sizes)

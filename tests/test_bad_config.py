@@ -25,7 +25,7 @@ INVALID = {
     "block_size": [(100, "block_size must be a power of two in [64, 4096]"), (32, "[64, 4096]"), (8192, "[64, 4096]"),
                    (256.0, "block_size"), (True, "block_size")],
     "min_8bit_size": [(-1, "min_8bit_size must be an integer >= 0"), (1.5, "min_8bit_size"), (True, "min_8bit_size")],
-    "optim_bits": [(16, "optim_bits must be 8 or 32"), (True, "optim_bits must be 8 or 32")],
+    "optim_bits": [(16, "optim_bits must be 4, 8 or 32"), (True, "optim_bits must be 4, 8 or 32")],
     "quantization": [("log", "quantization must be one of ('dynamic', 'linear')")],
     "nonfinite": [("ignore", "nonfinite must be one of ('skip', 'raise', 'off')")],
     # the valid momentum range depends on the optimizer: (0, 1] for SGD, [0, 1) for RMSprop, (0, 1) for LARS

@@ -284,7 +284,7 @@ BAD_ARGS = [
     (ds_q8.AdamW8bitBlock, dict(weight_decay=-0.1), "weight_decay must be in"),
     (ds_q8.Adam8bitBlock, dict(block_size=1000), r"block_size must be a power of two in \[64, 4096\] or None .*got 1000"),
     (ds_q8.Adam8bitBlock, dict(block_size=8192), "block_size must be a power of two"),
-    (ds_q8.Adam8bitBlock, dict(optim_bits=16), "optim_bits must be 8 or 32, got 16"),
+    (ds_q8.Adam8bitBlock, dict(optim_bits=16), "optim_bits must be 4, 8 or 32, got 16"),
     (ds_q8.Adam8bitBlock, dict(min_8bit_size=-1), "min_8bit_size must be an integer >= 0"),
     (ds_q8.Adam8bitBlock, dict(quantization="fp8"), "quantization must be one of"),
     (ds_q8.Adam8bitBlock, dict(lr=float("nan")), "lr must be a number"),

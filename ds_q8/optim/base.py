@@ -28,7 +28,7 @@ from . import nonfinite as NF
 from . import state_io, telemetry
 from . import step as S
 from .checks import check_optimizer_kwargs
-from .group_options import OPTIONS, check_common_group
+from .group_options import OPTIONS, check_common_group, check_four_bit
 from .layout import StateLayout
 from .qstate import QuantizedState, has_storage, is_8bit
 from .rules import Rule
@@ -143,6 +143,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             check_common_group(group)
+            check_four_bit(group, self.rule_for(group), type(self).__name__)
             self._check_group(group)
         except ValueError:
             self.param_groups.pop()
@@ -262,8 +263,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         error needs :meth:`track_quantization` (None otherwise)."""
         self.settle()
         # every 8-bit tensor, each with its own group's rule (Muon's matrices keep momentum_buffer)
-        states = [(p, self.quantized_state(p, create=False), self.rule_of(p).state_names)
-                  for p, st in self.state.items() if is_8bit(st)]
+        states = [(p, qs, self.rule_of(p).state_names) for p, qs in
+                  ((p, self.quantized_state(p, create=False)) for p, st in self.state.items() if is_8bit(st))
+                  if qs.layout.state_bits == 8]  # 4-bit state: not measured by the report
         return telemetry.report(states, self._telemetry)
 
     # ------------------------------------------------------------------ step

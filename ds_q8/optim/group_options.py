@@ -43,8 +43,8 @@ def check_common_group(group: dict) -> None:
     mbs = group["min_8bit_size"]
     if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 0:
         raise ValueError(f"min_8bit_size must be an integer >= 0, got {mbs!r}")
-    if group["optim_bits"] not in (8, 32) or isinstance(group["optim_bits"], bool):
-        raise ValueError(f"optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+    if group["optim_bits"] not in (4, 8, 32) or isinstance(group["optim_bits"], bool):
+        raise ValueError(f"optim_bits must be 4, 8 or 32, got {group['optim_bits']!r}")
     if group["quantization"] not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {group['quantization']!r}")
     if not (group["stochastic_rounding"] is None or isinstance(group["stochastic_rounding"], bool)):
@@ -68,6 +68,26 @@ def check_common_group(group: dict) -> None:
     seed = group["sr_seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
         raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")
+
+
+#: the rules whose states ``optim_bits=4`` can hold: Adam's first and second moment (``format4.py``)
+FOUR_BIT_RULES = ("adam", "adamw")
+
+
+def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
+    """What ``optim_bits=4`` asks of a group: a rule with Adam's two moments, its own maps and the
+    reference step (the compiled kernels do not take 4-bit state)."""
+    if group["optim_bits"] != 4:
+        return
+    if rule.name not in FOUR_BIT_RULES:
+        raise ValueError(f"optim_bits=4 stores Adam's two moments; {owner} runs the {rule.name!r} rule for this group: "
+                         "use optim_bits 8 or 32 (4 bits is for Adam8bitBlock and AdamW8bitBlock)")
+    if group["quantization"] != "dynamic":
+        raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay 'dynamic', "
+                         f"got {group['quantization']!r}")
+    if group.get("impl", "auto") == "kernel":
+        raise ValueError("optim_bits=4 is stepped by the reference only (no compiled kernel takes 4-bit state "
+                         "yet): impl must be 'auto' or 'reference', got 'kernel'")
 
 
 def group_impl(group: dict) -> str:

@@ -21,6 +21,12 @@ State storage of a tensor, per state ``i`` (from 1), as ``qstate.py`` keeps it:
   * ``state{i}_fp32``: float32 values of the fp32 segments, packed in tensor order (shaped like
     the tensor when one fp32 segment covers all of it).
 Padding (elements no segment covers, e.g. the end of ZeRO's last partition) has no state.
+
+With ``state_bits=4`` (``optim_bits=4``, Adam's two moments in ``format4.py``'s format) a segment's codes
+are packed two a byte by the element's index in its parameter (``format4.pack``), so ``state{i}``
+holds bytes and every offset into it (``segment_codes``, a piece's ``codes_start``) counts bytes; each
+segment's bytes start a byte of their own. ``absmax1`` is bfloat16 (the first moment's), ``absmax2``
+float32 (the second moment's maxima).
 """
 from __future__ import annotations
 
@@ -109,7 +115,12 @@ class StateLayout:
 
     def __init__(self, shape, segments: Sequence[Segment], block_size: Optional[int],
                  comm: Optional[Comm] = None, slots: Optional[Dict[Tuple[int, int], int]] = None,
-                 num_slots: int = 0, num_params: Optional[int] = None, group_index: int = 0, param_shapes: Optional[Sequence[tuple]] = None):
+                 num_slots: int = 0, num_params: Optional[int] = None, group_index: int = 0, param_shapes: Optional[Sequence[tuple]] = None,
+                 state_bits: int = 8):
+        if state_bits not in (4, 8):
+            raise ValueError(f"state_bits must be 4 or 8, got {state_bits!r}")
+        #: bits of each quantized state's codes: 8, or 4 (two codes a byte, ``format4.py``)
+        self.state_bits = int(state_bits)
         self.shape = tuple(shape)
         self.numel = 1
         for d in self.shape:
@@ -136,7 +147,7 @@ class StateLayout:
         self.has32 = any(not s.eight_bit for s in self.segments)
         #: one 8-bit segment covering the whole tensor from its parameter's start: state shaped like the tensor
         self.whole8 = (len(self.segments) == 1 and self.segments[0].eight_bit and self.num_codes == self.numel
-                       and not self.shared8)
+                       and not self.shared8 and self.state_bits == 8)
         self.whole32 = len(self.segments) == 1 and not self.segments[0].eight_bit and self.num_fp32 == self.numel
 
     def _check_segments(self) -> None:
@@ -181,7 +192,8 @@ class StateLayout:
                                      "but the layout was given no slot to agree on its absmax across ranks")
                 a, z = max(lo, seg.param_start), min(hi, seg.param_end)
                 self.shared8.append(Piece(seg.start + a - seg.param_start, seg.start + z - seg.param_start,
-                                          n8 + a - seg.param_start, nb + b - first, 1, si, slots[(seg.param_index, b)]))
+                                          n8 + self._code_offset(seg, a), nb + b - first, 1, si,
+                                          slots[(seg.param_index, b)]))
                 if b == first:
                     whole_lo = first + 1
                 if b == last:
@@ -189,21 +201,43 @@ class StateLayout:
             if whole_lo <= whole_hi:
                 a, z = whole_lo * bs, min((whole_hi + 1) * bs, seg.param_numel)
                 self.pieces8.append(Piece(seg.start + a - seg.param_start, seg.start + z - seg.param_start,
-                                          n8 + a - seg.param_start, nb + whole_lo - first, whole_hi - whole_lo + 1, si))
-            n8 += seg.numel
+                                          n8 + self._code_offset(seg, a), nb + whole_lo - first,
+                                          whole_hi - whole_lo + 1, si))
+            n8 += self.segment_code_count(seg)
             nb += last - first + 1
         self.pieces8.sort(key=lambda p: p.start)
         self.shared8.sort(key=lambda p: p.start)
         self.num_codes, self.num_blocks, self.num_fp32 = n8, nb, n32
 
+    def segment_code_count(self, seg: Segment) -> int:
+        """Entries of ``state{i}`` a quantized segment takes: one a code, or bytes of two (4 bits)."""
+        if self.state_bits == 8:
+            return seg.numel
+        return 0 if seg.numel == 0 else (seg.param_end + 1) // 2 - seg.param_start // 2
+
+    def _code_offset(self, seg: Segment, param_index: int) -> int:
+        """Offset, within its segment's codes, of the entry that holds element ``param_index``."""
+        if self.state_bits == 8:
+            return param_index - seg.param_start
+        return param_index // 2 - seg.param_start // 2
+
+    def piece_code_count(self, piece: Piece) -> int:
+        """Entries of ``state{i}`` a quantized piece's codes take (bytes at 4 bits: both halves of a
+        byte at its ends, when the piece holds one)."""
+        if self.state_bits == 8:
+            return piece.numel
+        first = self.piece_param_start(piece)
+        return 0 if piece.numel == 0 else (first + piece.numel + 1) // 2 - first // 2
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def for_parameter(cls, p: torch.Tensor, eight_bit: bool, block_size: Optional[int], name: Optional[str] = None,
-                      param_index: int = 0, group_index: int = 0, num_params: Optional[int] = None) -> "StateLayout":
+                      param_index: int = 0, group_index: int = 0, num_params: Optional[int] = None,
+                      state_bits: int = 8) -> "StateLayout":
         """An ordinary parameter: one segment, the whole of it."""
         n = p.numel()
         return cls(p.shape, [Segment(0, n, param_index, 0, n, eight_bit, name)], block_size,
-                   num_params=num_params, group_index=group_index)
+                   num_params=num_params, group_index=group_index, state_bits=state_bits)
 
     @property
     def sharded(self) -> bool:
@@ -217,8 +251,11 @@ class StateLayout:
 
     def describe(self) -> dict:
         """A plain-data copy (ints, bools, strings) for checkpoints and offline tools."""
-        return {"shape": list(self.shape), "block_size": self.block_size,
-                "segments": [list(s) for s in self.segments]}
+        out = {"shape": list(self.shape), "block_size": self.block_size,
+               "segments": [list(s) for s in self.segments]}
+        if self.state_bits != 8:  # 8-bit layouts are described as they always were
+            out["state_bits"] = self.state_bits
+        return out
 
     def same_as(self, desc: dict) -> bool:
         """Whether a saved layout describes the same slices of the same parameters as this one.
@@ -227,6 +264,8 @@ class StateLayout:
         8/32-bit choice and, where both sides have one, the parameter's name (not its position, which
         only names it: an optimizer over the same tensors in another order still fits)."""
         if list(desc.get("shape", [])) != list(self.shape) or desc.get("block_size") != self.block_size:
+            return False
+        if int(desc.get("state_bits", 8)) != self.state_bits:
             return False
         saved = [Segment(*s) for s in desc.get("segments", [])]
         if len(saved) != len(self.segments):
@@ -248,7 +287,8 @@ class StateLayout:
         """A saved layout, for reading a checkpoint offline (no ranks to agree with)."""
         segments = cls.segments_of(desc)
         cut = sorted(set(shared_blocks(segments, desc["block_size"])))
-        return cls(desc["shape"], segments, desc["block_size"], slots={b: i for i, b in enumerate(cut)})
+        return cls(desc["shape"], segments, desc["block_size"], slots={b: i for i, b in enumerate(cut)},
+                   state_bits=int(desc.get("state_bits", 8)))
 
     # ------------------------------------------------------------------ per segment
     def segment_blocks(self, si: int) -> Tuple[int, int, int]:

@@ -26,6 +26,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .. import functional as F
+from . import four_bit
 from .layout import StateLayout
 
 # Elements dequantized at a time by the readers and the reference: bounds their fp32 temporaries.
@@ -50,6 +51,13 @@ def fp32_key(i: int) -> str:
 #: key of a bf16 tensor's correction bytes (``correction_byte=True``): int8, one per element of the
 #: optimized tensor (a ZeRO partition's, padding included), saved and partitioned like the parameter
 CORRECTION_KEY = "correction"
+
+
+def absmax_dtypes(layout: StateLayout, num_states: int) -> tuple:
+    """Each state's block-maximum dtype: bfloat16, except a 4-bit second moment's float32 (``format4.py``)."""
+    if layout.state_bits == 4:
+        return (F.ABSMAX_DTYPE, torch.float32)
+    return (F.ABSMAX_DTYPE,) * num_states
 
 
 def storage_keys(num_states: int) -> frozenset:
@@ -100,6 +108,15 @@ class QuantizedState:
         entry.clear()
         codes_shape, fp32_shape = layout.state_shapes()
         entry["step"] = torch.tensor(0.0)
+        if layout.state_bits == 4:
+            if initial is not None and any(float(x) != 0.0 for x in initial):
+                raise ValueError("4-bit state starts at zero")
+            if layout.has8:
+                four_bit.create(qs, device)
+            for i in range(qs.num_states):
+                if layout.has32:
+                    entry[fp32_key(i)] = torch.zeros(fp32_shape, dtype=torch.float32, device=device)
+            return qs
         for i, sgn in enumerate(qs.signed):
             value = 0.0 if initial is None else float(initial[i])
             if layout.has8:
@@ -147,8 +164,9 @@ class QuantizedState:
     @staticmethod
     def bytes_for(layout: StateLayout, num_states: int) -> Dict[str, int]:
         """The bytes :meth:`create` allocates for ``layout`` (no step counter), by kind."""
+        absmax = sum(ABSMAX_BYTES if dtype == F.ABSMAX_DTYPE else 4 for dtype in absmax_dtypes(layout, num_states))
         return {"codes": num_states * layout.num_codes,
-                "absmax": ABSMAX_BYTES * num_states * layout.num_blocks,
+                "absmax": absmax * layout.num_blocks,
                 "fp32": 4 * num_states * layout.num_fp32}
 
     # ------------------------------------------------------------------ views for the step
@@ -193,6 +211,11 @@ class QuantizedState:
             for s in range(seg.start, seg.end, CHUNK):
                 e = min(seg.end, s + CHUNK)
                 yield s, e, [f[base + s:base + e] for f in f32]
+            return
+        if layout.state_bits == 4:
+            for piece in layout.pieces_of(si):
+                for sp in four_bit.spans(layout, piece, CHUNK):
+                    yield sp.start, sp.end, list(four_bit.read(self, sp))
             return
         codes, absmax = self.codes(), self.absmax()
         maps = self.maps(codes[0].device)
@@ -246,6 +269,9 @@ class QuantizedState:
                     f[piece.codes_start:piece.codes_start + piece.numel] = v[piece.start:piece.end]
         if not layout.has8 and not layout.sharded:
             return
+        if layout.state_bits == 4:
+            four_bit.write_values(self, values, shared_absmax)
+            return
         device = values[0].device if values else "cpu"
         maps = self.maps(device)
         if layout.has8:
@@ -292,6 +318,17 @@ class QuantizedState:
             base = layout.segment_codes[si]
             self.fp32()[i][base:base + seg.numel] = v[seg.param_start:seg.param_end]
             return
+        if layout.state_bits == 4:
+            if any(piece.slot >= 0 for piece in layout.pieces_of(si)):
+                raise ValueError(f"4-bit state of {seg.name or 'a parameter'} cannot be set one state at a time "
+                                 "where a partition edge cuts a block (its first moment is stored against the "
+                                 "second, over the whole block); set both with load_dequantized_state on every rank")
+            for piece in layout.pieces_of(si):
+                sp = four_bit.span(layout, piece)
+                values = list(four_bit.read(self, sp))
+                values[i] = v[seg.param_start + sp.start - seg.start:seg.param_start + sp.end - seg.start]
+                four_bit.write(self, sp, *values)
+            return
         codes, absmax = self.codes()[i], self.absmax()[i]
         m = self.maps(codes.device)[i]
         _, _, bs = layout.segment_blocks(si)
@@ -320,8 +357,9 @@ class QuantizedState:
             if seg.eight_bit:
                 first, nb, _ = layout.segment_blocks(si)
                 a0 = layout.segment_absmax[si]
-                yield (si, seg, first, [c[c0:c0 + seg.numel] for c in self.codes()],
-                       [a[a0:a0 + nb] for a in self.absmax()], None)
+                codes = (four_bit.unpacked_codes(self, si) if layout.state_bits == 4
+                         else [c[c0:c0 + seg.numel] for c in self.codes()])
+                yield si, seg, first, codes, [a[a0:a0 + nb] for a in self.absmax()], None
             else:
                 yield si, seg, 0, None, None, [f[c0:c0 + seg.numel] for f in self.fp32()]
 
@@ -338,8 +376,11 @@ class QuantizedState:
                     raise ValueError(f"universal checkpoint holds {entry['numel']} elements for {seg.name}, "
                                      f"the parameter has {seg.param_numel}")
                 _, nb, _ = layout.segment_blocks(si)
+                if layout.state_bits == 4:
+                    four_bit.restore_codes(self, si, entry["codes"])
                 for i in range(self.num_states):
-                    codes[i].copy_(entry["codes"][i][seg.param_start:seg.param_end])
+                    if layout.state_bits == 8:
+                        codes[i].copy_(entry["codes"][i][seg.param_start:seg.param_end])
                     absmax[i].copy_(entry["absmax"][i][first:first + nb])
             else:
                 for i in range(self.num_states):
@@ -357,9 +398,10 @@ class QuantizedState:
             got = f"{corr.numel()} elements of {corr.dtype}" if torch.is_tensor(corr) else type(corr).__name__
             raise ValueError(f"checkpoint {CORRECTION_KEY} of {what} has {got}; the tensor needs {layout.numel} of "
                              "torch.int8: the checkpoint belongs to another model or partitioning")
+        absmax_dtype = absmax_dtypes(layout, self.num_states)
         for i in range(self.num_states):
             for key, want, dtype in ((codes_key(i), codes_shape if layout.has8 else None, torch.uint8),
-                                     (absmax_key(i), (layout.num_blocks,) if layout.has8 else None, F.ABSMAX_DTYPE),
+                                     (absmax_key(i), (layout.num_blocks,) if layout.has8 else None, absmax_dtype[i]),
                                      (fp32_key(i), fp32_shape if layout.has32 else None, torch.float32)):
                 v = st.get(key)
                 if want is None:

@@ -41,6 +41,7 @@ from .group_options import IMPLS
 from .group_options import (corrected, correction_of, group_impl, maps_of, stochastic_params,  # noqa: F401
                             stochastic_states)
 from .path_kernel import fused_step_fp32_many, fused_step_many, kernel_rule  # noqa: F401
+from .path_four import step_four
 from .path_matrix import matrix_pass
 from .path_reference import (block_codec, read_param, reference_step_32bit, reference_step_8bit,  # noqa: F401
                              write_param)
@@ -129,6 +130,7 @@ class _Plan:
         self.eight: Dict[tuple, tuple] = {}
         self.fp32: Dict[tuple, tuple] = {}
         self.shared: Dict[int, tuple] = {}  # id(comm) -> (comm, [TensorStep with its keys])
+        self.four: list = []  # 4-bit tensors: (TensorStep, step scalars, parameter rounding keys, correction)
 
     def _bucket(self, table, group, h):
         key = (id(group), id(h))
@@ -147,6 +149,12 @@ class _Plan:
         keys32 = keys if stochastic_params(group, t.param.dtype) else None
         qs = t.state
         corr = correction_of(t)
+        if layout.state_bits == 4:  # its quantized pieces take path_four, cut blocks included
+            if layout.has8 or layout.sharded:
+                self.four.append((t, h, keys32, corr))
+            if layout.has32:
+                self._add_pieces(t, h, seg_hyper, keys, keys32, corr, quantized=False)
+            return
         if seg_hyper is None and layout.whole8:
             item = Item8(t.param, t.grad, qs.stored(codes_key), tuple(qs.absmax()), keys and (keys[0], 0), corr)
             self._bucket(self.eight, group, h).append(item)
@@ -163,7 +171,7 @@ class _Plan:
                 entry = self.shared[id(layout.comm)] = (layout.comm, [])
             entry[1].append((t, h, seg_hyper, keys))
 
-    def _add_pieces(self, t: TensorStep, h, seg_hyper, keys, keys32, corr) -> None:
+    def _add_pieces(self, t: TensorStep, h, seg_hyper, keys, keys32, corr, quantized: bool = True) -> None:
         layout, group = t.state.layout, t.group
         sizes, at8, at32, _ = layout.splits()
         pv = layout.param_views(t.param).split(sizes)
@@ -173,7 +181,7 @@ class _Plan:
         def rounding_of(piece, which=keys):
             return None if which is None else (which[piece.segment], layout.piece_param_start(piece))
 
-        if layout.has8:
+        if layout.has8 and quantized:
             for j, (piece, cs, am) in zip(at8, t.state.piece_views()):
                 hp = h if seg_hyper is None else seg_hyper[piece.segment]
                 item = Item8(pv[j], gv[j], cs, am, rounding_of(piece), cv[j])
@@ -193,6 +201,8 @@ class _Plan:
         if self.shared and not self._skipped():
             for comm, tensors in self.shared.values():
                 self._run_shared(comm, tensors)
+        if self.four and not self._skipped():
+            step_four(rule, self.four)
         for group, h, items in self.eight.values():
             sums = [self.sums_of[id(it)] for it in items] if self.sums_of else None
             rest = fused_step_many(rule, items, group, h, skip=self.skip, error_sums=sums)

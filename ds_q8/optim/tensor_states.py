@@ -25,7 +25,12 @@ def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> 
     if getattr(param, OPTIM_BITS_ATTR, None) == 32:
         return False
     n = param.numel() if numel is None else numel
-    return group["optim_bits"] == 8 and n >= group["min_8bit_size"]
+    return group["optim_bits"] in (4, 8) and n >= group["min_8bit_size"]
+
+
+def state_bits_of(group: dict) -> int:
+    """Bits of each code of a group's quantized states: 4 with ``optim_bits=4``, else 8."""
+    return 4 if group.get("optim_bits") == 4 else 8
 
 
 class TensorStates:
@@ -59,7 +64,7 @@ class TensorStates:
                 self._refuse_unknown_flattening(p, group)
             gi, pi, count = self.position(p, group)
             layout = StateLayout.for_parameter(p, uses_8bit(p, group), group["block_size"], param_index=pi,
-                                               group_index=gi, num_params=count)
+                                               group_index=gi, num_params=count, state_bits=state_bits_of(group))
             self.layouts[p] = layout
         return layout
 
@@ -117,4 +122,4 @@ class TensorStates:
         return qs
 
 
-__all__ = ["TensorStates", "uses_8bit", "OPTIM_BITS_ATTR"]
+__all__ = ["TensorStates", "uses_8bit", "state_bits_of", "OPTIM_BITS_ATTR"]

@@ -110,7 +110,7 @@ def run_sharded(cls, sizes, world, stage, steps, kw, bits=None, setup=None):
     segs = []
     for r in range(world):
         segs.append([Segment(start, numel, i, pstart, sizes[i],
-                             bits[i] == 8 and probe["optim_bits"] == 8 and sizes[i] >= probe["min_8bit_size"],
+                             bits[i] == 8 and probe["optim_bits"] in (4, 8) and sizes[i] >= probe["min_8bit_size"],
                              f"p{i}") for i, pstart, numel, start in parts[r]])
     union = sorted({b for r in range(world) for b in shared_blocks(segs[r], probe["block_size"])})
     slots = {b: i for i, b in enumerate(union)}
@@ -122,7 +122,8 @@ def run_sharded(cls, sizes, world, stage, steps, kw, bits=None, setup=None):
             flat.data[start:start + numel] = masters[i].data[pstart:pstart + numel]
         opt = cls([flat], **kw)
         layout = StateLayout(flat.shape, segs[r], probe["block_size"], comm=ThreadComm(world, r, shared),
-                             slots=slots, num_slots=len(slots), num_params=len(sizes))
+                             slots=slots, num_slots=len(slots), num_params=len(sizes),
+                             state_bits=4 if probe["optim_bits"] == 4 else 8)
         opt.register_layout(flat, layout)
         if setup is not None:
             setup(opt)
