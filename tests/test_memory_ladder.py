@@ -24,6 +24,7 @@ RUNGS = {  # rung -> DeepSpeed config of the tiny model
     "d": config(2, bf16=MASTERS),  # run with DeepSpeed's copies (share_masters: False)
     "e": config(2, bf16=MASTERS),  # the same config as users write it
     "f": config(2, bf16=MASTERS, opt_params={"correction_byte": True}),  # and a correction byte per master
+    "g": config(2, bf16=MASTERS, opt_params={"optim_bits": 4}),  # and 4-bit moments
 }
 
 
@@ -45,7 +46,7 @@ def test_prediction_matches_the_live_engine(engines, rung):
 def test_rungs_in_order_for_gpt2_xl():
     rows = {r["rung"]: r for r in ladder_table(gpt2_param_groups(48, 1600))}
     per = {k: round(v["per_param"], 3) for k, v in rows.items()}
-    assert per == {"a": 20.0, "b": 12.0, "c": 14.064, "d": 10.064, "e": 6.064, "f": 7.064}
+    assert per == {"a": 20.0, "b": 12.0, "c": 14.064, "d": 10.064, "e": 6.064, "f": 7.064, "g": 5.096}
     assert set(rows) == set(LADDER)
 
 

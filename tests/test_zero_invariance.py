@@ -16,7 +16,10 @@ default, and the global norm's rounding depends on how ranks sum their partial n
   run ends bit-identical to the uninterrupted one; loading it directly at another world size
   fails with an error naming the conversion;
 * ``deepspeed.utils.safe_get/set_full_optimizer_state`` read and write the 8-bit state of one
-  parameter; an unknown state name raises the same error on every rank.
+  parameter; an unknown state name raises the same error on every rank;
+* 4-bit states (AdamW8bitBlock, ``optim_bits=4``): bit-identical to the plain loop under ZeRO-0/1/2/3
+  at every world size, with bf16 masters across stages and world sizes, and through a universal
+  checkpoint from 2 ranks to 3, code for code.
 """
 import json
 import sys
@@ -45,6 +48,7 @@ BF16_MASTER = [(o, s) for o in ("Adam8bitBlock", "Lion8bitBlock") for s in (1, 2
 CORRECTED = [("Adam8bitBlock", s) for s in (1, 2, 3)]  # bf16 masters with correction_byte=True
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}  # ZeRO-Offload: the masters and their bytes on the host
 RESHARD = [(2, 1), (1, 2), (2, 3), (2, 4)]
+FOUR = dict(bits=4, lr=0.05)  # AdamW8bitBlock with optim_bits=4
 
 
 def _job(name, opt, stage, steps, **extra):
@@ -59,12 +63,20 @@ def _plan(world, ck):
     jobs += [_job(f"bf16c_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True, correction=True) for o, s in CORRECTED]
     jobs += [_job(f"bf16c_offload_{o}_s{s}", o, s, STEPS, bf16=True, bf16_master=True, correction=True, zero=OFFLOAD)
              for o, s in CORRECTED if s > 1]
+    jobs += [dict(name=f"four_s{s}", optimizer="AdamW8bitBlock", stage=s, steps=STEPS, **FOUR) for s in (0, 1, 2, 3)]
+    jobs += [dict(name=f"four_bf16m_s{s}", optimizer="AdamW8bitBlock", stage=s, steps=STEPS, bf16=True, bf16_master=True,
+                  **FOUR) for s in (1, 2, 3)]
     if world == 2:
         jobs.append(_job("save2_bf16m_s2", "Adam8bitBlock", 2, SAVE_AT, bf16=True, bf16_master=True,
                          save=[ck, "w2_bf16m_s2"]))
         jobs.append(_job("save2_bf16c_s2", "Adam8bitBlock", 2, SAVE_AT, bf16=True, bf16_master=True,
                          correction=True, save=[ck, "w2_bf16c_s2"]))
+    if world == 2:
+        jobs.append(dict(name="save2_four_s2", optimizer="AdamW8bitBlock", stage=2, steps=SAVE_AT,
+                         save=[ck, "w2_four_s2"], **FOUR))
     if world == 3:
+        jobs.append(dict(name="resume2to3_four_s2", optimizer="AdamW8bitBlock", stage=2, steps=STEPS - SAVE_AT,
+                         start_step=SAVE_AT, universal=True, load=[ck, "w2_four_s2_universal"], **FOUR))
         jobs.append(_job("resume2to3_bf16m_s2", "Adam8bitBlock", 2, STEPS - SAVE_AT, start_step=SAVE_AT,
                          bf16=True, bf16_master=True, universal=True, load=[ck, "w2_bf16m_s2_universal"]))
         jobs.append(_job("resume2to3_bf16c_s2", "Adam8bitBlock", 2, STEPS - SAVE_AT, start_step=SAVE_AT,
@@ -106,6 +118,7 @@ def runs(tmp_path_factory):
     ck = work / "ckpt"
     plain_jobs = [_job(f"plain_{o}", o, None, STEPS) for o in ELEMENTWISE]
     plain_jobs += [_job(f"plain_trust_{o}", o, None, TRUST_STEPS) for o in ("LAMB8bitBlock", "LARS8bitBlock")]
+    plain_jobs.append(dict(name="plain_four", optimizer="AdamW8bitBlock", stage=None, steps=STEPS, **FOUR))
     (work / "plain").mkdir()
     for job in plain_jobs:
         invariance.run_plain(job, str(work / "plain"))
@@ -113,7 +126,7 @@ def runs(tmp_path_factory):
                      for j in plain_jobs}}
     for world in (1, 2, 3, 4):
         if world == 3:
-            for tag in ("w2_s2", "w2_s3", "w2_bf16m_s2", "w2_bf16c_s2"):
+            for tag in ("w2_s2", "w2_s3", "w2_bf16m_s2", "w2_bf16c_s2", "w2_four_s2"):
                 _convert(ck, tag, work)
         out[world] = _launch(_plan(world, str(ck)), work, f"w{world}", world)
         if world == 1:
@@ -258,4 +271,27 @@ def test_correction_bytes_travel_through_universal_checkpoints(runs):
     assert saved["correction"].dtype == torch.int8 and saved["correction"].numel() == 77 * 51
     assert bool(saved["correction"].any())
     bad, dp, ds = _differences(runs[2]["bf16c_Adam8bitBlock_s2"], runs[3]["resume2to3_bf16c_s2"])
+    assert not bad, f"differ: {bad} (params by {dp}, state by {ds})"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_four_bit_state_bit_identical_to_the_plain_loop(runs, world):
+    """optim_bits=4: partition edges cut blocks and bytes; the ranks agree on both moments' maxima."""
+    for stage in (0, 1, 2, 3):
+        got = runs[world][f"four_s{stage}"]
+        bad, dp, ds = _differences(runs["plain"]["plain_four"], got)
+        assert not bad, f"stage {stage}: {bad} (params by {dp}, state by {ds})"
+        if world > 1 and stage > 0:
+            assert _sharded_path_ran(got)
+    ref = runs[1]["four_bf16m_s1"]
+    for stage in (1, 2, 3):
+        bad, dp, ds = _differences(ref, runs[world][f"four_bf16m_s{stage}"])
+        assert not bad, f"bf16 masters, stage {stage}: {bad} (params by {dp}, state by {ds})"
+
+
+def test_four_bit_state_resumes_at_another_world_size_code_for_code(runs):
+    saved = torch.load(runs["ckpt"] / "w2_four_s2_universal" / "ds_q8" / "w4.pt", weights_only=True)
+    assert saved["state_bits"] == 4 and saved["codes"][0].numel() == 77 * 51
+    assert int(saved["codes"][1].max()) <= 15 and saved["absmax"][1].dtype == torch.float32
+    bad, dp, ds = _differences(runs["plain"]["plain_four"], runs[3]["resume2to3_four_s2"])
     assert not bad, f"differ: {bad} (params by {dp}, state by {ds})"

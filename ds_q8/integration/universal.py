@@ -87,13 +87,14 @@ class ParamCodes:
     dtype, which would round fp32 state to bf16 under bf16 master weights)."""
 
     def __init__(self, name: str, numel: int, block_size, quantization: str, state_names, num_blocks: int,
-                 eight_bit: bool = True):
+                 eight_bit: bool = True, state_bits: int = 8, absmax_dtypes=None):
         self.name, self.numel, self.block_size, self.quantization = name, numel, block_size, quantization
-        self.eight_bit, self.state_names = eight_bit, list(state_names)
+        self.eight_bit, self.state_names, self.state_bits = eight_bit, list(state_names), int(state_bits)
         k = len(self.state_names)
-        if eight_bit:
+        if eight_bit:  # one code an element (4-bit codes too: packed again by the layout that loads them)
             self.codes = [torch.zeros(numel, dtype=torch.uint8) for _ in range(k)]
-            self.absmax = [torch.zeros(num_blocks, dtype=F.ABSMAX_DTYPE) for _ in range(k)]
+            dtypes = absmax_dtypes or (F.ABSMAX_DTYPE,) * k
+            self.absmax = [torch.zeros(num_blocks, dtype=dt) for dt in dtypes]
         else:
             self.values = [torch.zeros(numel, dtype=torch.float32) for _ in range(k)]
         self.covered = torch.zeros(numel, dtype=torch.bool)
@@ -103,6 +104,8 @@ class ParamCodes:
     def payload(self) -> dict:
         out = {"numel": self.numel, "block_size": self.block_size, "quantization": self.quantization,
                "state_names": self.state_names, "eight_bit": self.eight_bit}
+        if self.state_bits != 8:
+            out["state_bits"] = self.state_bits
         if self.correction is not None:
             out[CORRECTION_KEY] = self.correction
         if self.eight_bit:
@@ -139,7 +142,8 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
             if entry is None:
                 _, _, bs = qs.layout.segment_blocks(si)
                 entry = into[seg.name] = ParamCodes(seg.name, seg.param_numel, g["block_size"], g["quantization"],
-                                                    names, (seg.param_numel + bs - 1) // bs, seg.eight_bit)
+                                                    names, (seg.param_numel + bs - 1) // bs, seg.eight_bit,
+                                                    qs.layout.state_bits, absmax and tuple(a.dtype for a in absmax))
             elif entry.state_names != list(names):
                 raise ValueError(f"{path}: parameter {seg.name} has states {list(names)} here and "
                                  f"{entry.state_names} in another rank's file: the files are not of one checkpoint")
@@ -258,6 +262,7 @@ def _saved_state(folder: Optional[str], segments, group: dict, opt, cache: dict)
         saved = cache[seg.name]
         if (saved is None or bool(saved.get("eight_bit", True)) != seg.eight_bit
                 or list(saved["state_names"]) != list(opt.rule_for(group).state_names)
+                or (seg.eight_bit and int(saved.get("state_bits", 8)) != (4 if group.get("optim_bits") == 4 else 8))
                 or (seg.eight_bit and (saved["block_size"] != group["block_size"]
                                        or saved["quantization"] != group["quantization"]))):
             return None

@@ -23,6 +23,7 @@ import torch
 
 from ..optim import Optimizer8bitBlock
 from ..optim.base import uses_8bit
+from ..optim.tensor_states import state_bits_of
 from ..optim.layout import Comm, Segment, StateLayout, shared_blocks
 
 #: attribute set on every parameter of a ZeRO-wrapped ds_q8 optimizer
@@ -185,7 +186,7 @@ def attach(wrapper) -> int:
                              # the group's index names its parameters in stochastic rounding's random
                              # bits, as for unwrapped parameters: with it missing, every group of a
                              # partitioned optimizer drew group 0's bits (Muon's AdamW group is group 1)
-                             group_index=part.group_index)
+                             group_index=part.group_index, state_bits=state_bits_of(part.group))
         base.register_layout(part.tensor, layout, part.group)
         held = {seg.param_index: si for si, seg in enumerate(layout.segments)}
         for idx, (p, shape) in enumerate(zip(part.params, part.shapes)):

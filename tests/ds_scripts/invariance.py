@@ -59,8 +59,10 @@ class Bag(nn.Module):
         return loss
 
 
-def opt_params(lr: float, correction: bool = False) -> dict:
+def opt_params(lr: float, correction: bool = False, bits: int = 8) -> dict:
     out = {"lr": lr, "block_size": BLOCK, "min_8bit_size": MIN_8BIT}
+    if bits != 8:  # optim_bits=4: Adam's moments in 4 bits each
+        out["optim_bits"] = bits
     if correction:  # bf16 masters with a correction byte: 24-bit masters
         out["correction_byte"] = True
     return out
@@ -68,7 +70,8 @@ def opt_params(lr: float, correction: bool = False) -> dict:
 
 def config(job: dict) -> dict:
     c = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-         "optimizer": {"type": job["optimizer"], "params": opt_params(job.get("lr", 0.05), job.get("correction", False))},
+         "optimizer": {"type": job["optimizer"], "params": opt_params(job.get("lr", 0.05), job.get("correction", False),
+                                                                    job.get("bits", 8))},
          "zero_optimization": {"stage": job["stage"]}}
     if job.get("bf16"):
         c["bf16"] = {"enabled": True}
@@ -189,7 +192,7 @@ def run_plain(job, out_dir):
     torch.manual_seed(0)
     model = Bag()
     cls = ds_q8.OPTIMIZERS[job["optimizer"]]
-    opt = cls(model.parameters(), **opt_params(job.get("lr", 0.05)))
+    opt = cls(model.parameters(), **opt_params(job.get("lr", 0.05), bits=job.get("bits", 8)))
     for step in range(job["steps"]):
         opt.zero_grad()
         model(torch.tensor([step])).backward()
