@@ -1,5 +1,5 @@
 # Two commands from a bare machine with Python 3.9+ and make:
-#   make demo       the main job (launch/compare.py): eight short GPT trainings, a report and a plot
+#   make demo       the main job (launch/compare.py): nine short GPT trainings, a report and a plot
 #   make test       the whole test suite
 #   make test-fast  the tests without multi-rank DeepSpeed launches and slow builds (a few minutes)
 #   make test-gpu   the tests that need a CUDA GPU (they skip without one)

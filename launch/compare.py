@@ -49,6 +49,7 @@ RUNS = {
     "8bit_bf16": ("tiny_cpu_8bit_bf16master.json", "8-bit, bf16 masters, stochastic rounding"),
     "8bit_bf16_nosr": ("tiny_cpu_8bit_bf16master_nosr.json", "8-bit, bf16 masters, round to nearest"),
     "8bit_bf16_corr": ("tiny_cpu_8bit_bf16master_correction.json", "8-bit, bf16 masters, correction byte"),
+    "4bit_bf16": ("tiny_cpu_4bit_bf16master.json", "4-bit, bf16 masters, stochastic rounding"),
     "muon": ("tiny_cpu_muon.json", "DeepSpeed Muon, fp32 momentum"),
     "muon8bit": ("tiny_cpu_muon8bit.json", "Muon8bitBlock, 8-bit momentum"),
 }
@@ -102,10 +103,10 @@ def load_run(save_dir: Path, run: str) -> dict:
 
 
 COLORS = {"32bit": "tab:orange", "8bit": "tab:blue", "bf16_states": "tab:green", "8bit_bf16": "tab:purple",
-          "8bit_bf16_nosr": "tab:red", "8bit_bf16_corr": "tab:olive",
+          "8bit_bf16_nosr": "tab:red", "8bit_bf16_corr": "tab:olive", "4bit_bf16": "tab:pink",
           "muon": "tab:brown", "muon8bit": "tab:cyan"}
 STYLES = {"32bit": "-", "8bit": "--", "bf16_states": "-.", "8bit_bf16": ":", "8bit_bf16_nosr": (0, (5, 1, 1, 1)),
-          "8bit_bf16_corr": (0, (1, 1)),
+          "8bit_bf16_corr": (0, (1, 1)), "4bit_bf16": (0, (3, 1)),
           "muon": "-", "muon8bit": "--"}
 
 

@@ -20,6 +20,7 @@ Optimizers:
                changes K:  nearest  state_rounding="nearest" (second moments rounded to nearest)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
+                           4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)
                            fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
                                     a 32-bit run that differs from torch's only in rounding (how far
                                     chaos alone moves a run)
@@ -72,7 +73,7 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
-DS_Q8_CHANGES = ("nearest", "emb32", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN
+DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
@@ -250,7 +251,8 @@ def make_optimizer(name: str, model, lr: float, seed: int):
         masters = next((BF16_MASTERS[c] for c in changes if c in BF16_MASTERS), {})
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
                                     state_rounding="nearest" if "nearest" in changes else "stochastic",
-                                    optim_bits=32 if "fp32" in changes else 8, **masters)
+                                    optim_bits=32 if "fp32" in changes else 4 if "4bit" in changes else 8,
+                                    **masters)
     return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())
 
 

@@ -18,7 +18,7 @@ zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse code
     python launch/fidelity.py --optimizers lion8 lamb8 ademamix8 muon8  # the family against their 32-bit twins
 
 Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
-defaults), ``ds_q8:bsN`` (block_size=N), ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
+defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
 ``lamb8``, ``ademamix8`` and ``muon8`` compare Lion8bitBlock, LAMB8bitBlock, AdEMAMix8bitBlock and
 Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
 ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
@@ -79,8 +79,11 @@ def split(name: str) -> Tuple[str, Dict[str, int]]:
     base, *changes = name.split(":")
     options = {}
     for c in changes:
+        if c == "4bit" and base == "ds_q8":
+            options["optim_bits"] = 4
+            continue
         if not c.startswith("bs") or not c[2:].isdigit():
-            raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N)")
+            raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N; ds_q8:4bit optim_bits=4)")
         options["block_size"] = int(c[2:])
     if base not in ("torch", "ds_q8", "bnb") + tuple(FAMILY):
         raise ValueError(f"optimizer {name!r}: must be torch, ds_q8, bnb, {', '.join(FAMILY)} (with :bsN)")
@@ -107,7 +110,8 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
     cls = ds_q8.AdamW8bitBlock if base == "ds_q8" else getattr(ds_q8, FAMILY[base])
     if base == "muon8":  # the matrices' momentum under Muon's rate, the rest under AdamW's
         return lambda ps: cls(ps, muon_lr=MUON_LR, adam_lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
-    return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
+    options.setdefault("optim_bits", bits)
+    return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay, **options)
 
 
 def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: int):

@@ -16,7 +16,8 @@ Rungs (``ds_q8.memory.LADDER``): (a) DeepSpeed Adam with fp32 masters and moment
 Adam with bf16 masters and moments, (c) ds_q8 8-bit with fp32 masters, (d) ds_q8 8-bit with bf16
 masters and stochastic rounding, copied as DeepSpeed copies them (``--copy_bf16_masters``), (e) the same
 config as (d) as users run it: the optimizer steps the bf16 parameters themselves, (f) as (e) with a
-correction byte per master (``correction_byte``: 24-bit masters, written to nearest).
+correction byte per master (``correction_byte``: 24-bit masters, written to nearest), (g) as (e) with
+both moments in 4 bits (``optim_bits=4``; its step runs in the pure-PyTorch reference, minutes a step).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ CONFIGS = {
     "d": "gpt2_xl_8bit_bf16master_zero2.json",
     "e": "gpt2_xl_8bit_bf16master_zero2.json",
     "f": "gpt2_xl_8bit_bf16master_correction_zero2.json",
+    "g": "gpt2_xl_4bit_bf16master_zero2.json",
 }
 EXTRA = {"d": ["--copy_bf16_masters"]}  # the same config, with DeepSpeed's copies
 
