@@ -21,6 +21,7 @@ from ds_q8.optim.layout import Comm, Segment, StateLayout, shared_blocks
 from ds_q8.optim.qstate import codes_key
 
 BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
+BYTES_4BIT = 14  # fp32 parameter read and written, gradient read, two 4-bit codes read and written
 _SKIPPED: set = set()  # rows reported as unavailable
 LR, WD = 1e-3, 1e-2
 
@@ -80,6 +81,8 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     # the cost of requantizing the second moment stochastically (the default) instead of to nearest
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, state_rounding=nearest)", BYTES_8BIT,
         lambda: ds_q8_kernel("off", state_rounding="nearest"))
+    add("ds_q8 AdamW8bitBlock, optim_bits=4 (kernel)", BYTES_4BIT,
+        lambda: ds_q8.AdamW8bitBlock(_param(n, device, 4), lr=LR, weight_decay=WD, optim_bits=4, impl="kernel").step)
     if with_reference:
         add("ds_q8 AdamW8bitBlock (reference)", BYTES_8BIT,
             lambda: ds_q8.AdamW8bitBlock(_param(n, device, 1), lr=LR, weight_decay=WD, impl="reference").step)

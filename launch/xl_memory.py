@@ -17,7 +17,7 @@ Adam with bf16 masters and moments, (c) ds_q8 8-bit with fp32 masters, (d) ds_q8
 masters and stochastic rounding, copied as DeepSpeed copies them (``--copy_bf16_masters``), (e) the same
 config as (d) as users run it: the optimizer steps the bf16 parameters themselves, (f) as (e) with a
 correction byte per master (``correction_byte``: 24-bit masters, written to nearest), (g) as (e) with
-both moments in 4 bits (``optim_bits=4``; its step runs in the pure-PyTorch reference, minutes a step).
+both moments in 4 bits (``optim_bits=4``).
 """
 from __future__ import annotations
 

@@ -113,8 +113,6 @@ def test_settings_that_cannot_hold_4_bits_name_the_field():
     p = [torch.nn.Parameter(torch.zeros(8))]
     with pytest.raises(ValueError, match="optim_bits=4 stores Adam's two moments.*'lion'"):
         ds_q8.Lion8bitBlock(p, optim_bits=4)
-    with pytest.raises(ValueError, match="impl must be 'auto' or 'reference'"):
-        ds_q8.AdamW8bitBlock(p, optim_bits=4, impl="kernel")
     with pytest.raises(ValueError, match="quantization must stay 'dynamic'"):
         ds_q8.AdamW8bitBlock(p, optim_bits=4, quantization="linear")
     with pytest.raises(ValueError, match="optim_bits must be 4, 8 or 32, got 2"):
@@ -147,3 +145,71 @@ def test_about_one_byte_per_parameter():
     opt.step()
     held = sum(t.numel() * t.element_size() for k, t in opt.state[p].items() if k != "step")
     assert held / n == pytest.approx(format4.state_bytes_per_param(n)) and held / n < 1.1
+
+
+# ---------------------------------------------------------------------------- the compiled CPU kernel
+from ds_q8 import ops  # noqa: E402
+
+from helpers.isa import ISAS, isa  # noqa: E402,F401,F811  (builds the CPU op; isa is a fixture)
+
+PARAMS = {  # name -> (parameter dtype, extra options)
+    "fp32": (torch.float32, {}),
+    "bf16_sr": (torch.bfloat16, {}),
+    "bf16_nearest": (torch.bfloat16, {"stochastic_rounding": False}),
+    "bf16_correction": (torch.bfloat16, {"correction_byte": True}),
+    "fp16": (torch.float16, {}),
+}
+
+
+def _train(impl, dtype, extra, sizes=(64 * 40 + 37, 4096, 130), steps=5, block_size=64, cls=ds_q8.AdamW8bitBlock):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in sizes]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, optim_bits=4, min_8bit_size=100, block_size=block_size,
+              impl=impl, **extra)
+    for s in range(steps):
+        for i, p in enumerate(params):
+            g = _grads(100 * s + i, p.numel())
+            if s == 2:
+                g[:200] = 0  # silent blocks
+            p.grad = g.to(dtype)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("kind", list(PARAMS))
+def test_the_cpu_kernel_writes_the_references_bits(isa, kind):
+    dtype, extra = PARAMS[kind]
+    ref_params, ref = _train("reference", dtype, extra)
+    calls = ops.CALLS[("cpu", "step4_many")]
+    got_params, got = _train("kernel", dtype, extra)
+    assert ops.CALLS[("cpu", "step4_many")] - calls == 5  # one call a step for all three tensors' whole blocks
+    for p, q in zip(ref_params, got_params):
+        assert torch.equal(p, q)
+        for k, t in ref.state[p].items():
+            assert torch.equal(got.state[q][k], t), k
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("block_size,cls", [(256, ds_q8.Adam8bitBlock), (4096, ds_q8.AdamW8bitBlock)])
+def test_the_cpu_kernel_at_other_block_sizes(isa, block_size, cls):
+    ref_params, ref = _train("reference", torch.float32, {}, sizes=(3 * 4096 + 99,), block_size=block_size, cls=cls)
+    got_params, got = _train("kernel", torch.float32, {}, sizes=(3 * 4096 + 99,), block_size=block_size, cls=cls)
+    assert torch.equal(ref_params[0], got_params[0])
+    for k, t in ref.state[ref_params[0]].items():
+        assert torch.equal(got.state[got_params[0]][k], t), k
+
+
+@pytest.mark.parametrize("world,stage", [(3, 2), (4, 3)])
+def test_partitions_through_the_kernel(world, stage):
+    """Whole blocks in the kernel, cut blocks in the reference: still the bits of whole parameters."""
+    kw = dict(KW, lr=1e-2)
+    params, ref = run_plain(ds_q8.AdamW8bitBlock, SIZES, 4, dict(kw, impl="reference"))
+    calls = ops.CALLS[("cpu", "step4_many")]
+    got, states, *_ = run_sharded(ds_q8.AdamW8bitBlock, SIZES, world, stage, 4, kw)
+    assert ops.CALLS[("cpu", "step4_many")] > calls
+    for i, (p, q) in enumerate(zip(params, got)):
+        assert torch.equal(p.detach(), q), f"parameter {i} differs"
+        want = ref.dequantized_state(p)
+        for k in want:
+            assert torch.equal(want[k], states[i][k]), f"parameter {i} state {k} differs"

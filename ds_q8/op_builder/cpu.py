@@ -20,7 +20,10 @@ class Q8CPUBuilder(PrebuiltFirstMixin, OpBuilder):
         # No -march=native: each isa_*.cpp selects its own instruction set, and the binding picks
         # the best one the running CPU supports, so a prebuilt module runs on any x86-64.
         # -ffp-contract=off keeps a*b+c from becoming an FMA, which would change the bits.
-        return ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas", headers_define()]
+        # -fno-math-errno lets sqrtf be the instruction (the same correctly rounded value) inside loops
+        # the compiler vectorizes: the 4-bit step's decode and requantization.
+        return ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-Wno-unknown-pragmas",
+                headers_define()]
 
     def extra_ldflags(self):
         return ["-fopenmp"]

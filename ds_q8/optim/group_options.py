@@ -75,8 +75,7 @@ FOUR_BIT_RULES = ("adam", "adamw")
 
 
 def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
-    """What ``optim_bits=4`` asks of a group: a rule with Adam's two moments, its own maps and the
-    reference step (the compiled kernels do not take 4-bit state)."""
+    """What ``optim_bits=4`` asks of a group: a rule with Adam's two moments and its own maps."""
     if group["optim_bits"] != 4:
         return
     if rule.name not in FOUR_BIT_RULES:
@@ -85,9 +84,6 @@ def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
     if group["quantization"] != "dynamic":
         raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay 'dynamic', "
                          f"got {group['quantization']!r}")
-    if group.get("impl", "auto") == "kernel":
-        raise ValueError("optim_bits=4 is stepped by the reference only (no compiled kernel takes 4-bit state "
-                         "yet): impl must be 'auto' or 'reference', got 'kernel'")
 
 
 def group_impl(group: dict) -> str:

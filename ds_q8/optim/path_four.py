@@ -1,9 +1,12 @@
-"""The step of 4-bit state (``optim_bits=4``, ``four_bit.py``): the reference, in plain PyTorch.
+"""The step of 4-bit state (``optim_bits=4``, ``four_bit.py``).
 
 Per range of whole blocks: dequantize both moments (the second first: the first is stored against it),
 run the rule's update in fp32, then requantize the second moment, decode it, and code the first
-moment as ``m / sqrt(v)`` against it: two passes over each block. The parts of blocks that partition
-edges cut are updated the same way, and their maxima agreed across ranks before they are coded
+moment as ``m / sqrt(v)`` against it: two passes over each block. The whole blocks go to the compiled
+CPU kernel (``step4_many``, one call per group, step scalars, device and dtypes), or, where it cannot
+run (``impl="reference"``, no op, a CUDA tensor: no CUDA kernel yet), to the pure-PyTorch reference
+here, which is its specification bit for bit. The parts of blocks that partition edges cut are updated
+by the reference, and their maxima agreed across ranks before they are coded
 (``four_bit.agreed_write``), so a parameter's codes are those of the unsharded optimizer at every ZeRO
 stage and world size. Parameters are read and written as every path does (``path_reference.py``).
 """
@@ -13,10 +16,15 @@ from typing import Dict, Sequence
 
 import torch
 
+from .. import format4 as Q4
+from .. import ops
 from . import four_bit, qstate
+from .path_kernel import kernel_rule
 from .path_reference import read_param, write_param
 from .pieces import TensorStep
 from .rules import Rule
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _update(rule: Rule, t: TensorStep, h, sp: four_bit.Span, si: int, keys, corr):
@@ -42,12 +50,20 @@ def step_four(rule: Rule, tensors: Sequence[tuple]) -> None:
     rounding keys per segment or None, correction bytes or None)``; their fp32 pieces take the fp32
     path. Every rank calls this with the same tensors (the cut blocks' maxima are agreed)."""
     shared: Dict[int, tuple] = {}  # id(comm) -> (comm, [items], [slots per tensor])
+    batches: Dict[tuple, list] = {}  # (group, step scalars, device, dtypes) -> whole pieces for one kernel call
     for t, h, keys, corr in tensors:
         layout = t.state.layout
         for piece in layout.pieces8:
+            batches.setdefault((id(t.group), id(h), str(t.param.device), t.param.dtype, t.grad.dtype), []).append(
+                (t, h, piece, keys, corr))
+    for batch in batches.values():
+        for t, h, piece, keys, corr in _kernel_step(rule, batch):
+            layout = t.state.layout
             for sp in four_bit.spans(layout, piece, qstate.CHUNK):
                 m, v = _update(rule, t, h, sp, piece.segment, keys, corr)
                 four_bit.write(t.state, sp, m, v)
+    for t, h, keys, corr in tensors:
+        layout = t.state.layout
         if layout.sharded:
             comm, items, slots = shared.setdefault(id(layout.comm), (layout.comm, [], []))
             base = sum(slots)
@@ -58,6 +74,59 @@ def step_four(rule: Rule, tensors: Sequence[tuple]) -> None:
             slots.append(layout.num_slots)
     for comm, items, slots in shared.values():
         four_bit.agreed_write(items, comm, slots)
+
+
+def _kernel_step(rule: Rule, batch: list) -> list:
+    """Step a batch of whole pieces (one group, step scalars, device and dtypes) in the compiled kernel;
+    returns those it did not step (the caller's reference), or raises under ``impl="kernel"``."""
+    t0, h = batch[0][0], batch[0][1]
+    name, strict = kernel_rule(rule, t0.group, batch)
+    if name is None:
+        return batch
+    p0, g0 = t0.param, t0.grad
+    why = None
+    if p0.device.type != "cpu":
+        why = f"no {p0.device.type.upper()} kernel for 4-bit state yet"
+    elif p0.dtype not in _SUPPORTED or (g0.dtype is not p0.dtype and g0.dtype is not torch.float32):
+        why = f"no kernel for {p0.dtype} parameters with {g0.dtype} gradients"
+    elif t0.group["block_size"] is None:
+        why = "block_size=None (one block per tensor) has no kernel"
+    module = ops.load_op("cpu", required=strict) if why is None else None
+    if why is None and module is not None and not hasattr(module, "step4_many"):
+        why = "the loaded CPU op predates 4-bit state"
+    if why is not None or module is None:
+        if strict and why is not None:
+            raise ValueError(f"impl='kernel': {why}; use impl='auto' to step such tensors with the reference")
+        if why is not None:
+            ops.warn_once(f"four-{why}", f"ds_q8: {why}; 4-bit state takes the reference step")
+        return batch
+    params, grads, m_codes, v_codes, m_absmax, v_max, keys, index, corrs = [], [], [], [], [], [], [], [], []
+    rest = []
+    for t, _, piece, sr_keys, corr in batch:
+        layout = t.state.layout
+        pf = layout.param_views(t.param)
+        if not pf.is_contiguous():
+            rest.append((t, h, piece, sr_keys, corr))
+            continue
+        sp = four_bit.span(layout, piece)
+        codes, absmax = t.state.codes(), t.state.absmax()
+        params.append(pf[sp.start:sp.end])
+        grads.append(t.grad.reshape(-1)[sp.start:sp.end].contiguous())
+        m_codes.append(codes[four_bit.M][sp.b0:sp.b1])
+        v_codes.append(codes[four_bit.V][sp.b0:sp.b1])
+        m_absmax.append(absmax[four_bit.M][sp.a0:sp.a1])
+        v_max.append(absmax[four_bit.V][sp.a0:sp.a1])
+        keys.append(0 if sr_keys is None else sr_keys[piece.segment])
+        index.append(sp.first)
+        corrs.append(None if corr is None else corr[sp.start:sp.end])
+    if params:
+        stochastic = any(k is not None for _, _, _, k, _ in batch)
+        corrected = corrs[0] is not None
+        maps = [Q4.M_MAP, Q4.M_MIDPOINTS, Q4.V_MAP, Q4.V_MIDPOINTS]
+        ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max, maps,
+                 t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
+                 stochastic_params=stochastic, corrections=corrs if corrected else [])
+    return rest
 
 
 __all__ = ["step_four"]

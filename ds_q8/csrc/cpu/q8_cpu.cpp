@@ -253,6 +253,66 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
     run_step(isa, rule, args, params[0], grads[0]);
 }
 
+// The step of 4-bit Adam state (optim_bits=4, ds_q8/format4.py) over many tensors, each starting a block at
+// an even element of its parameter: m_codes/v_codes packed two a byte (ceil(numel / 2) bytes), m_absmax
+// bf16 and v_max float32 (one per block); maps: format4's M_MAP, M_MIDPOINTS, V_MAP, V_MIDPOINTS.
+void step4_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
+                std::vector<torch::Tensor> grads, std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> v_codes,
+                std::vector<torch::Tensor> m_absmax, std::vector<torch::Tensor> v_max, std::vector<torch::Tensor> maps,
+                int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+                const std::vector<int64_t>& sr_index, bool stochastic_params,
+                const std::vector<torch::Tensor>& corrections) {
+    check_isa(isa);
+    check_block_size(block_size);
+    TORCH_CHECK_VALUE(rule == "adam" || rule == "adamw", "4-bit state is Adam's: rule must be 'adam' or 'adamw', got '",
+                      rule, "'");
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(grads.size() == n && m_codes.size() == n && v_codes.size() == n && m_absmax.size() == n &&
+                          v_max.size() == n,
+                      "params, grads, m_codes, v_codes, m_absmax and v_max must be lists of the same length, got ", n);
+    const int64_t sizes[4] = {15, 14, 16, 15};
+    TORCH_CHECK_VALUE(maps.size() == 4, "maps must be format4's M_MAP, M_MIDPOINTS, V_MAP and V_MIDPOINTS, got ",
+                      maps.size(), " tensors");
+    for (int i = 0; i < 4; ++i) {
+        check_cpu_contiguous(maps[i], "maps");
+        TORCH_CHECK_VALUE(maps[i].scalar_type() == torch::kFloat32 && maps[i].numel() == sizes[i], "maps[", i,
+                          "] must be ", sizes[i], " float32 values, got ", maps[i].numel(), " of ", maps[i].scalar_type());
+    }
+    const bool corrected = binding::check_corrections(corrections, params, stochastic_params);
+    binding::check_rounding(sr_keys, sr_index, n);
+    const auto hp = hyper_params(hyper);
+    std::vector<StepArgs> args;
+    args.reserve(n);
+    for (size_t t = 0; t < n; ++t) {
+        StepArgs a = tensor_args(rule, params[t], grads[t], 2, block_size, hp);
+        check_same_dtypes(params, grads, t, "step4_many");
+        const int64_t bytes = (a.numel + 1) / 2, nb = (a.numel + block_size - 1) / block_size;
+        for (const torch::Tensor* c : {&m_codes[t], &v_codes[t]}) {
+            check_cpu_contiguous(*c, "codes");
+            TORCH_CHECK_VALUE(c->scalar_type() == torch::kUInt8 && c->numel() == bytes, "4-bit codes of ", a.numel,
+                              " elements must be ", bytes, " uint8 bytes, got ", c->numel(), " of ", c->scalar_type());
+        }
+        check_cpu_contiguous(m_absmax[t], "m_absmax");
+        check_cpu_contiguous(v_max[t], "v_max");
+        TORCH_CHECK_VALUE(m_absmax[t].scalar_type() == torch::kBFloat16 && m_absmax[t].numel() == nb,
+                          "m_absmax must be ", nb, " bfloat16 block maxima, got ", m_absmax[t].numel(), " of ",
+                          m_absmax[t].scalar_type());
+        TORCH_CHECK_VALUE(v_max[t].scalar_type() == torch::kFloat32 && v_max[t].numel() == nb, "v_max must be ", nb,
+                          " float32 block maxima, got ", v_max[t].numel(), " of ", v_max[t].scalar_type());
+        a.four_bit = true;
+        a.codes[0] = m_codes[t].data_ptr<uint8_t>();
+        a.codes[1] = v_codes[t].data_ptr<uint8_t>();
+        a.absmax[0] = binding::absmax_bits(m_absmax[t]);
+        a.v_max = v_max[t].data_ptr<float>();
+        for (int i = 0; i < 4; ++i) a.four_maps[i] = maps[i].data_ptr<float>();
+        set_rounding(a, sr_keys, sr_index, t, n, stochastic_params);
+        if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
+        if (a.numel > 0) args.push_back(a);
+    }
+    if (n == 0) return;
+    run_step(isa, rule, args, params[0], grads[0]);
+}
+
 // The same fused step for tensors whose states are float32 (optim_bits=32, or tensors below
 // min_8bit_size): states[t] holds the 1 to Q8_MAX_STATES float32 states of tensor t, updated in place.
 void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
@@ -437,6 +497,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "each bf16 param's correction bytes, or none",
           arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), arg("corrections") = std::vector<torch::Tensor>{});
+    m.def("step4_many", &ds_q8::step4_many,
+          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors in one parallel loop, in place",
+          arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("m_codes"), arg("v_codes"), arg("m_absmax"),
+          arg("v_max"), arg("maps"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
+          arg("stochastic_params") = true, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("all_finite", &ds_q8::all_finite, "True when no tensor (float32/float16/bfloat16) holds NaN or Inf");
     m.def("all_finite_or_unknown", &ds_q8::all_finite_or_unknown,
           "1 when no tensor holds NaN or Inf, 0 when one does, -1 when one is not a contiguous float CPU tensor");

@@ -43,6 +43,10 @@ struct StepArgs {
     int8_t* correction;        // null, or bf16 params' correction bytes (one per element: q8_bf16_join/split)
     double* error_sums;        // null, or per state k, at 3k: sum |requantized - x|, sum |x|, and the count
                                // of nonzero x requantized to 0 (Q8_TELEMETRY_SUMS)
+    bool four_bit;             // 4-bit Adam state (format4.py): codes[0..1] packed two a byte from an even
+                               // element, absmax[0] the first moment's bf16 maxima, v_max the second's
+    float* v_max;
+    const float* four_maps[4]; // the 4-bit maps and boundaries: m_map, m_mid, v_map, v_mid (Q8Four)
 };
 
 struct QuantizeArgs {
