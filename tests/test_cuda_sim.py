@@ -142,6 +142,29 @@ def test_correction_bytes(sim, grad, states):
     assert_same(kernel, reference, f"correction bytes {grad} {states}")
 
 
+# ---------------------------------------------------------------------------- 4-bit steps
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("block_size", [64, 256, 4096])
+def test_four_bit_state(sim, pair, block_size):
+    """optim_bits=4 (ds_q8/format4.py): nibble loads and stores at every tail, v's maximum then r's
+    reduced across the T threads (a warp's shuffles at 64, shared memory at 4096), the float32
+    second-moment maxima; the bits of the reference."""
+    dtype, grad_dtype = DTYPE_PAIRS[pair]
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {"optim_bits": 4}, sizes_of(block_size), dtype,
+                                 grad_dtype, block_size=block_size, steps=3)
+    pk, ok = kernel
+    assert ok.state[pk[-1]]["absmax2"].dtype == torch.float32  # 4-bit state, not 8-bit
+    assert_same(kernel, reference, f"4-bit {pair} block_size {block_size}")
+
+
+@pytest.mark.parametrize("options", [dict(correction_byte=True), dict(stochastic_rounding=False)])
+def test_four_bit_state_parameter_writes(sim, options):
+    kernel, reference = run_pair(sim, ds_q8.Adam8bitBlock, {"optim_bits": 4}, sizes_of(256), torch.bfloat16,
+                                 steps=3, **options)
+    assert_same(kernel, reference, f"4-bit {options}")
+
+
 def test_lists_longer_than_one_launch(sim):
     """40 tensors: two launches per step (32 tensors each at most), each CTA finding its tensor."""
     sizes = [1 + (37 * i) % 700 for i in range(40)]

@@ -1,6 +1,6 @@
 """The CUDA kernels against the pure-PyTorch reference on one GPU, bit for bit: block sizes 64-4096, sizes
-{1, 7, bs-1, bs+1, 3bs+7}, every rule, every dtype pair, float32 states, offset views, a side stream, the
-skip flag, (de)quantize, and one tensor of 2^31+4099 elements.
+{1, 7, bs-1, bs+1, 3bs+7}, every rule, every dtype pair, float32 states, 4-bit states, offset views, a side
+stream, the skip flag, (de)quantize, and one tensor of 2^31+4099 elements.
 
 All are marked ``gpu``: launch/gpu_check.sh's correctness stage runs them (``pytest -m gpu``), and
 without a GPU they skip. ``--kernel-device cpu`` runs them on the CPU op instead, to try them without a
@@ -80,6 +80,13 @@ def flat(params, states, absmax):
 @pytest.mark.parametrize("bs", BLOCK_SIZES, ids=lambda bs: f"bs={bs}")
 def test_sweep(kernel_device, module, bs, pd, gd):
     pair(kernel_device, ds_q8.AdamW8bitBlock, sizes_for(bs), DTYPES[pd], DTYPES[gd], bs, lr=1e-2)
+
+
+@pytest.mark.parametrize("pd,gd", DTYPE_PAIRS, ids=[f"p={p}-g={g}" for p, g in DTYPE_PAIRS])
+@pytest.mark.parametrize("bs", [64, 256, 4096], ids=lambda bs: f"bs={bs}")
+def test_four_bit_state(kernel_device, module, bs, pd, gd):
+    """optim_bits=4 (ds_q8/format4.py): nibble codes, v's float32 maxima, r = m / sqrt(v) on its own."""
+    pair(kernel_device, ds_q8.AdamW8bitBlock, sizes_for(bs), DTYPES[pd], DTYPES[gd], bs, steps=3, lr=1e-2, optim_bits=4)
 
 
 @pytest.mark.parametrize("rule", list(RULES))

@@ -3,9 +3,9 @@
 Per range of whole blocks: dequantize both moments (the second first: the first is stored against it),
 run the rule's update in fp32, then requantize the second moment, decode it, and code the first
 moment as ``m / sqrt(v)`` against it: two passes over each block. The whole blocks go to the compiled
-CPU kernel (``step4_many``, one call per group, step scalars, device and dtypes), or, where it cannot
-run (``impl="reference"``, no op, a CUDA tensor: no CUDA kernel yet), to the pure-PyTorch reference
-here, which is its specification bit for bit. The parts of blocks that partition edges cut are updated
+CPU or CUDA kernel (``step4_many``, one call per group, step scalars, device and dtypes), or, where
+none can run (``impl="reference"``, an op that cannot be built), to the pure-PyTorch reference here,
+which is their specification bit for bit. The parts of blocks that partition edges cut are updated
 by the reference, and their maxima agreed across ranks before they are coded
 (``four_bit.agreed_write``), so a parameter's codes are those of the unsharded optimizer at every ZeRO
 stage and world size. Parameters are read and written as every path does (``path_reference.py``).
@@ -84,16 +84,17 @@ def _kernel_step(rule: Rule, batch: list) -> list:
     if name is None:
         return batch
     p0, g0 = t0.param, t0.grad
+    kind = p0.device.type
     why = None
-    if p0.device.type != "cpu":
-        why = f"no {p0.device.type.upper()} kernel for 4-bit state yet"
+    if kind not in ("cpu", "cuda"):
+        why = f"no kernel for a parameter on {p0.device}"
     elif p0.dtype not in _SUPPORTED or (g0.dtype is not p0.dtype and g0.dtype is not torch.float32):
         why = f"no kernel for {p0.dtype} parameters with {g0.dtype} gradients"
     elif t0.group["block_size"] is None:
         why = "block_size=None (one block per tensor) has no kernel"
-    module = ops.load_op("cpu", required=strict) if why is None else None
+    module = ops.load_op(kind, required=strict) if why is None else None
     if why is None and module is not None and not hasattr(module, "step4_many"):
-        why = "the loaded CPU op predates 4-bit state"
+        why = f"the loaded {kind.upper()} op predates 4-bit state"
     if why is not None or module is None:
         if strict and why is not None:
             raise ValueError(f"impl='kernel': {why}; use impl='auto' to step such tensors with the reference")
@@ -122,7 +123,7 @@ def _kernel_step(rule: Rule, batch: list) -> list:
     if params:
         stochastic = any(k is not None for _, _, _, k, _ in batch)
         corrected = corrs[0] is not None
-        maps = [Q4.M_MAP, Q4.M_MIDPOINTS, Q4.V_MAP, Q4.V_MIDPOINTS]
+        maps = [m.to(p0.device) for m in (Q4.M_MAP, Q4.M_MIDPOINTS, Q4.V_MAP, Q4.V_MIDPOINTS)]
         ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max, maps,
                  t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
                  stochastic_params=stochastic, corrections=corrs if corrected else [])

@@ -149,6 +149,9 @@ class SimAsCpuOp:
     def step_fp32_many(self, isa, *args, **kwargs):
         return self.sim.step_fp32_many(*args, **kwargs)
 
+    def step4_many(self, isa, *args, **kwargs):
+        return self.sim.step4_many(*args, **kwargs)
+
     def quantize(self, isa, *args):
         return self.sim.quantize(*args)
 

@@ -197,6 +197,64 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
     cuda_step_many(b, hyper);
 }
 
+// The step of 4-bit Adam state (optim_bits=4, ds_q8/format4.py) of many tensors, each starting a block at an
+// even element of its parameter: m_codes/v_codes packed two a byte, m_absmax bf16 and v_max float32 block
+// maxima; maps: format4's M_MAP, M_MIDPOINTS, V_MAP and V_MIDPOINTS (on the device).
+void step4_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+                std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> v_codes,
+                std::vector<torch::Tensor> m_absmax, std::vector<torch::Tensor> v_max, std::vector<torch::Tensor> maps,
+                int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+                const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip,
+                bool stochastic_params, const std::vector<torch::Tensor>& corrections) {
+    check_block_size(block_size);
+    TORCH_CHECK_VALUE(rule == "adam" || rule == "adamw", "4-bit state is Adam's: rule must be 'adam' or 'adamw', got '",
+                      rule, "'");
+    if (binding::check_corrections(corrections, params, stochastic_params)) {
+        for (const auto& c : corrections) check_cuda(c, "corrections", c.device());
+    }
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(m_codes.size() == n && v_codes.size() == n && m_absmax.size() == n && v_max.size() == n,
+                      "step4_many: m_codes, v_codes, m_absmax and v_max must have one tensor per param (", n, ")");
+    StepBatch b = list_batch(rule, std::move(params), std::move(grads), n, sr_keys, sr_index, "step4_many");
+    b.stochastic = b.has_keys && stochastic_params;
+    b.corrections = corrections;
+    if (b.params.empty()) return;
+    const auto device = b.params[0].device();
+    const int64_t sizes[4] = {15, 14, 16, 15};
+    TORCH_CHECK_VALUE(maps.size() == 4, "maps must be format4's M_MAP, M_MIDPOINTS, V_MAP and V_MIDPOINTS, got ",
+                      maps.size(), " tensors");
+    for (int i = 0; i < 4; ++i) {
+        check_cuda(maps[i], "maps", device);
+        TORCH_CHECK_VALUE(maps[i].scalar_type() == torch::kFloat32 && maps[i].numel() == sizes[i], "maps[", i,
+                          "] must be ", sizes[i], " float32 values, got ", maps[i].numel(), " of ", maps[i].scalar_type());
+    }
+    for (size_t t = 0; t < n; ++t) {
+        check_cuda(b.params[t], "param", device);
+        check_cuda(b.grads[t], "grad", device);
+        const int64_t numel = b.params[t].numel(), bytes = (numel + 1) / 2, nb = (numel + block_size - 1) / block_size;
+        TORCH_CHECK_VALUE(b.grads[t].numel() == numel, "grad has ", b.grads[t].numel(), " elements, param has ", numel);
+        for (const torch::Tensor* c : {&m_codes[t], &v_codes[t]}) {
+            check_cuda(*c, "codes", device);
+            TORCH_CHECK_VALUE(c->scalar_type() == torch::kUInt8 && c->numel() == bytes, "4-bit codes of ", numel,
+                              " elements must be ", bytes, " uint8 bytes, got ", c->numel(), " of ", c->scalar_type());
+        }
+        check_cuda(m_absmax[t], "m_absmax", device);
+        check_cuda(v_max[t], "v_max", device);
+        TORCH_CHECK_VALUE(m_absmax[t].scalar_type() == torch::kBFloat16 && m_absmax[t].numel() == nb,
+                          "m_absmax must be ", nb, " bfloat16 block maxima, got ", m_absmax[t].numel(), " of ",
+                          m_absmax[t].scalar_type());
+        TORCH_CHECK_VALUE(v_max[t].scalar_type() == torch::kFloat32 && v_max[t].numel() == nb, "v_max must be ", nb,
+                          " float32 block maxima, got ", v_max[t].numel(), " of ", v_max[t].scalar_type());
+        b.states.push_back({m_codes[t], v_codes[t]});
+        b.absmax.push_back({m_absmax[t], v_max[t]});
+    }
+    b.skip = skip_flag(skip, device);
+    b.block_size = block_size;
+    b.four_bit = true;
+    b.four_maps = torch::cat(maps).contiguous();
+    cuda_step_many(b, hyper);
+}
+
 std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,
                                     int64_t block_size) {
     check_block_size(block_size);
@@ -245,6 +303,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "the same fused step for tensors with float32 states (optim_bits=32 or small tensors), in place",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
           skip, arg("corrections") = std::vector<torch::Tensor>{});
+    m.def("step4_many", &ds_q8::step4_many,
+          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors, in place: one launch per 32 tensors",
+          arg("rule"), arg("params"), arg("grads"), arg("m_codes"), arg("v_codes"), arg("m_absmax"), arg("v_max"),
+          arg("maps"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr,
+          arg("corrections") = std::vector<torch::Tensor>{});
     m.def("quantize", &ds_q8::quantize, "block-wise quantize: (codes, absmax)");
     m.def("dequantize", &ds_q8::dequantize, "block-wise dequantize to dtype");
 }

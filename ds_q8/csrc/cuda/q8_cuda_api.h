@@ -34,6 +34,11 @@ struct StepBatch {
     std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [3 per state] (telemetry)
     std::vector<at::Tensor> corrections;           // empty, or per tensor: int8 correction bytes (bf16 params)
     const int32_t* skip = nullptr;                 // device flag: non-zero means the kernels write nothing
+    // 4-bit Adam state (ds_q8/format4.py): states[t] = {m codes, v codes} packed two a byte from an even
+    // element, absmax[t] = {m's bf16 maxima, v's float32 maxima}; four_maps the 60 floats of M_MAP,
+    // M_MIDPOINTS, V_MAP and V_MIDPOINTS, end to end
+    bool four_bit = false;
+    at::Tensor four_maps;
 };
 
 // Launches on the current stream: one kernel per group of up to 32 tensors.

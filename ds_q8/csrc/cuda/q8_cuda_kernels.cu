@@ -398,6 +398,109 @@ __global__ void step_kernel(const __grid_constant__ StepList list, const Rule ru
     }
 }
 
+// ------------------------------------------------------------------ fused step of 4-bit Adam state
+// ds_q8/format4.py, as the CPU driver's step_four_blocks: each thread's 8 codes are 4 bytes (its first
+// element is even), decoded v first, then m = r * sqrt(v); the rule; v requantized on its block's new
+// maximum, then r = m / sqrt(v decoded) on r's own, each maximum reduced across the T threads.
+constexpr int kFourMaps = 15 + 14 + 16 + 15;
+
+__device__ __forceinline__ void load_nibbles8(const uint8_t* p, uint32_t (&c)[kElems], int cnt, int align) {
+    if (cnt == kElems && align >= 4) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) c[i] = (w >> (4 * i)) & 15u;
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) c[i] = i < cnt ? (uint32_t)(p[i / 2] >> (4 * (i % 2))) & 15u : 0u;
+}
+
+// A nibble past cnt is written 0 (the byte of an odd count's last element).
+__device__ __forceinline__ void store_nibbles8(uint8_t* p, const uint32_t (&c)[kElems], int cnt, int align) {
+    if (cnt == kElems && align >= 4) {
+        uint32_t w = 0u;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) w |= c[i] << (4 * i);
+        *reinterpret_cast<uint32_t*>(p) = w;
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < kElems / 2; ++j)
+        if (2 * j < cnt) p[j] = (uint8_t)(c[2 * j] | (2 * j + 1 < cnt ? c[2 * j + 1] << 4 : 0u));
+}
+
+template <class Rule, class P, class G>
+__global__ void step4_kernel(const __grid_constant__ StepList list, const Rule rule) {
+    if (list_skipped(list)) return;
+    __shared__ float s_maps[kFourMaps];
+    __shared__ float red[1024 / 32];
+    for (int i = threadIdx.x; i < kFourMaps; i += blockDim.x) s_maps[i] = list.code[0][i];
+    __syncthreads();
+    const Q8Four f{s_maps, s_maps + 15, s_maps + 29, s_maps + 45};
+
+    const int t = list_tensor(list);
+    const StepSlot& a = list.slot[t];
+    P* param = static_cast<P*>(a.param);
+    const G* grad = static_cast<const G*>(a.grad);
+    uint8_t* m_bytes = static_cast<uint8_t*>(a.state[0]);
+    uint8_t* v_bytes = static_cast<uint8_t*>(a.state[1]);
+    float* v_max = reinterpret_cast<float*>(a.absmax[1]);  // float32 maxima (launch_lists)
+    const int T = list.threads_per_qblock, block_size = list.block_size;
+    const int64_t numel = a.numel;
+    const int64_t qblock = (int64_t)(blockIdx.x - list.first_cta[t]) * (blockDim.x / T) + threadIdx.x / T;
+    const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % T) * kElems;
+    const bool live = start < numel;
+    const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
+
+    float p[kElems], g[kElems], s[2][kElems];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) p[i] = g[i] = s[0][i] = s[1][i] = 0.0f;
+    if (live) {
+        load_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr);
+        load8(grad + start, g, cnt, a.align_grad);
+        uint32_t cm[kElems], cv[kElems];
+        load_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
+        load_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
+        const float m_absmax = q8_absmax_load(a.absmax[0][qblock]), vm = v_max[qblock];
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+            s[1][i] = f.v_map[cv[i]] * vm;
+            s[0][i] = (f.m_map[cm[i]] * m_absmax) * sqrtf(s[1][i]);
+        }
+        apply_rule(rule, p, g, s);
+        store_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr,
+                     list.stochastic, a.sr_key, a.sr_index + start);
+    }
+    float local = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        if (i < cnt) local = q8_absmax_step(local, s[1][i]);
+    const float vmax = qblock_absmax(local, T, red);  // every thread takes part
+    const float vs = q8_block_scale(vmax);
+    uint32_t cv[kElems], cm[kElems];
+    float r[kElems];
+    local = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        cv[i] = q8_count_below_n(f.v_mid, 15, s[1][i] * vs);
+        const float root = sqrtf(f.v_map[cv[i]] * vmax);
+        const float q = s[0][i] / root;
+        r[i] = root > 0.0f ? q : 0.0f;
+        if (i < cnt) local = q8_absmax_step(local, r[i]);
+    }
+    const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
+    if (!live) return;  // after the last reduction
+    if (threadIdx.x % T == 0) {
+        a.absmax[0][qblock] = stored;
+        v_max[qblock] = vmax;
+    }
+    const float ms = q8_block_scale(q8_absmax_load(stored));
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) cm[i] = q8_count_below_n(f.m_mid, 14, r[i] * ms);
+    store_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
+    store_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
+}
+
 // ------------------------------------------------------------------ fused step on float32 states
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): 8 values per
 // thread, kFp32Threads threads per CTA, no maps and no block maxima.
@@ -522,7 +625,10 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
             for (int k = 0; k < K; ++k) {
                 s.state[k] = b.states[t][k].data_ptr();
                 s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
-                if (!b.absmax.empty()) s.absmax[k] = absmax_bits(b.absmax[t][k]);
+                if (!b.absmax.empty())  // 4-bit state: the second moment's maxima are float32, carried as such
+                    s.absmax[k] = b.absmax[t][k].scalar_type() == at::kFloat
+                                      ? reinterpret_cast<uint16_t*>(b.absmax[t][k].data_ptr<float>())
+                                      : absmax_bits(b.absmax[t][k]);
             }
             if (b.has_keys) {
                 s.sr_key = (uint32_t)b.sr_keys[t];
@@ -558,11 +664,19 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     const Geometry geo = geometry(1, b.block_size);
     list.block_size = (int32_t)b.block_size;
     list.threads_per_qblock = geo.threads_per_qblock;
+    const int64_t bs = b.block_size, qpc = geo.qblocks_per_cta;
+    if (b.four_bit) {  // Adam's rules only (the binding checks): no other rule's kernel is compiled
+        if constexpr (std::is_same<Rule, AdamRule<true>>::value || std::is_same<Rule, AdamRule<false>>::value) {
+            list.code[0] = b.four_maps.data_ptr<float>();
+            launch_lists(b, list, step4_kernel<Rule, P, G>, rule, geo.threads,
+                         [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
+        }
+        return;
+    }
     for (int k = 0; k < K; ++k) {
         list.code[k] = b.maps[k].data_ptr<float>();
         list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
     }
-    const int64_t bs = b.block_size, qpc = geo.qblocks_per_cta;
     launch_lists(b, list, step_kernel<Rule, P, G>, rule, geo.threads,
                  [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
 }
