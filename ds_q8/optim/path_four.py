@@ -19,12 +19,19 @@ import torch
 from .. import format4 as Q4
 from .. import ops
 from . import four_bit, qstate
-from .path_kernel import kernel_rule
+from .path_kernel import _unsupported, kernel_rule
 from .path_reference import read_param, write_param
 from .pieces import TensorStep
 from .rules import Rule
 
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+_MAPS: Dict[str, list] = {}  # device -> format4's maps and midpoints there, copied once
+
+
+def _maps(device: torch.device) -> list:
+    key = str(device)
+    if key not in _MAPS:
+        _MAPS[key] = [m.to(device) for m in (Q4.M_MAP, Q4.M_MIDPOINTS, Q4.V_MAP, Q4.V_MIDPOINTS)]
+    return _MAPS[key]
 
 
 def _update(rule: Rule, t: TensorStep, h, sp: four_bit.Span, si: int, keys, corr):
@@ -85,12 +92,8 @@ def _kernel_step(rule: Rule, batch: list) -> list:
         return batch
     p0, g0 = t0.param, t0.grad
     kind = p0.device.type
-    why = None
-    if kind not in ("cpu", "cuda"):
-        why = f"no kernel for a parameter on {p0.device}"
-    elif p0.dtype not in _SUPPORTED or (g0.dtype is not p0.dtype and g0.dtype is not torch.float32):
-        why = f"no kernel for {p0.dtype} parameters with {g0.dtype} gradients"
-    elif t0.group["block_size"] is None:
+    why = _unsupported(p0, g0)
+    if why is None and t0.group["block_size"] is None:
         why = "block_size=None (one block per tensor) has no kernel"
     module = ops.load_op(kind, required=strict) if why is None else None
     if why is None and module is not None and not hasattr(module, "step4_many"):
@@ -123,8 +126,8 @@ def _kernel_step(rule: Rule, batch: list) -> list:
     if params:
         stochastic = any(k is not None for _, _, _, k, _ in batch)
         corrected = corrs[0] is not None
-        maps = [m.to(p0.device) for m in (Q4.M_MAP, Q4.M_MIDPOINTS, Q4.V_MAP, Q4.V_MIDPOINTS)]
-        ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max, maps,
+        ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max,
+                 _maps(p0.device),
                  t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
                  stochastic_params=stochastic, corrections=corrs if corrected else [])
     return rest
