@@ -66,6 +66,8 @@ V_MIDPOINTS = root_midpoints(V_MAP)
 #: first moment (as m / sqrt(v)): 15 float32 values k / 7, ascending
 M_MAP = (torch.arange(-7, 8, dtype=torch.float64) / 7).to(torch.float32)
 M_MIDPOINTS = F.midpoints(M_MAP)
+#: dtype of each block's maximum: the first moment's (bfloat16, rounded up) and the second's (float32)
+ABSMAX_DTYPES = (F.ABSMAX_DTYPE, torch.float32)
 
 
 class Adam4(NamedTuple):

@@ -24,6 +24,7 @@ import math
 from typing import Dict, Iterable, List, Sequence
 
 
+from . import format4
 from . import functional as F
 from .optim.layout import Segment, StateLayout, shared_blocks
 from .optim.qstate import ABSMAX_BYTES, QuantizedState
@@ -43,7 +44,8 @@ def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, 
     if bits == 8 and numel >= min_8bit_size:
         return num_states * (numel + ABSMAX_BYTES * F.num_blocks(numel, block_size))
     if bits == 4 and numel >= min_8bit_size:  # Adam's two moments (format4.py): bf16 and fp32 maxima
-        return 2 * ((numel + 1) // 2) + (ABSMAX_BYTES + 4) * F.num_blocks(numel, block_size)
+        maxima = sum(dtype.itemsize for dtype in format4.ABSMAX_DTYPES)
+        return 2 * format4.packed_bytes(0, numel) + maxima * F.num_blocks(numel, block_size)
     return num_states * 4 * numel
 
 

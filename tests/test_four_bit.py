@@ -213,3 +213,29 @@ def test_partitions_through_the_kernel(world, stage):
         want = ref.dequantized_state(p)
         for k in want:
             assert torch.equal(want[k], states[i][k]), f"parameter {i} state {k} differs"
+
+
+
+@pytest.mark.parametrize("impl", ["reference", "kernel"])
+def test_a_strided_parameter_steps_like_its_contiguous_copy(impl):
+    """A transposed view (small, so fp32, and large, so 4-bit) is stepped in a copy and written back: the
+    same values and codes as a contiguous parameter holding the same elements."""
+    def run(strided):
+        torch.manual_seed(0)
+        shapes = [(64, 50), (8, 9)]
+        values = [torch.randn(*s) for s in shapes]
+        params = [torch.nn.Parameter(v.t().contiguous().t() if strided else v.clone()) for v in values]
+        opt = ds_q8.AdamW8bitBlock(params, lr=1e-2, optim_bits=4, min_8bit_size=100, impl=impl)
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = _grads(10 * step + i, p.numel()).view(p.shape)
+            opt.step()
+        return params, opt
+
+    want, ref = run(False)
+    got, opt = run(True)
+    assert not got[0].is_contiguous()
+    for p, q in zip(want, got):
+        assert torch.equal(p.detach(), q.detach())
+        for k, t in ref.state[p].items():
+            assert torch.equal(opt.state[q][k], t), k

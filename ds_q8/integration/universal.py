@@ -32,6 +32,7 @@ import torch
 
 from .. import functional as F
 from ..optim.qstate import CORRECTION_KEY, QuantizedState, has_storage
+from ..optim.tensor_states import state_bits_of
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
 
@@ -262,7 +263,7 @@ def _saved_state(folder: Optional[str], segments, group: dict, opt, cache: dict)
         saved = cache[seg.name]
         if (saved is None or bool(saved.get("eight_bit", True)) != seg.eight_bit
                 or list(saved["state_names"]) != list(opt.rule_for(group).state_names)
-                or (seg.eight_bit and int(saved.get("state_bits", 8)) != (4 if group.get("optim_bits") == 4 else 8))
+                or (seg.eight_bit and int(saved.get("state_bits", 8)) != state_bits_of(group))
                 or (seg.eight_bit and (saved["block_size"] != group["block_size"]
                                        or saved["quantization"] != group["quantization"]))):
             return None

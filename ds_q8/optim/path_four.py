@@ -85,7 +85,7 @@ def step_four(rule: Rule, tensors: Sequence[tuple]) -> None:
 
 def _kernel_step(rule: Rule, batch: list) -> list:
     """Step a batch of whole pieces (one group, step scalars, device and dtypes) in the compiled kernel;
-    returns those it did not step (the caller's reference), or raises under ``impl="kernel"``."""
+    returns the batch if it did not step it (the caller's reference), or raises under ``impl="kernel"``."""
     t0, h = batch[0][0], batch[0][1]
     name, strict = kernel_rule(rule, t0.group, batch)
     if name is None:
@@ -105,13 +105,9 @@ def _kernel_step(rule: Rule, batch: list) -> list:
             ops.warn_once(f"four-{why}", f"ds_q8: {why}; 4-bit state takes the reference step")
         return batch
     params, grads, m_codes, v_codes, m_absmax, v_max, keys, index, corrs = [], [], [], [], [], [], [], [], []
-    rest = []
     for t, _, piece, sr_keys, corr in batch:
         layout = t.state.layout
-        pf = layout.param_views(t.param)
-        if not pf.is_contiguous():
-            rest.append((t, h, piece, sr_keys, corr))
-            continue
+        pf = layout.param_views(t.param)  # contiguous: the step hands strided parameters over as copies
         sp = four_bit.span(layout, piece)
         codes, absmax = t.state.codes(), t.state.absmax()
         params.append(pf[sp.start:sp.end])
@@ -123,14 +119,13 @@ def _kernel_step(rule: Rule, batch: list) -> list:
         keys.append(0 if sr_keys is None else sr_keys[piece.segment])
         index.append(sp.first)
         corrs.append(None if corr is None else corr[sp.start:sp.end])
-    if params:
-        stochastic = any(k is not None for _, _, _, k, _ in batch)
-        corrected = corrs[0] is not None
-        ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max,
-                 _maps(p0.device),
-                 t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
-                 stochastic_params=stochastic, corrections=corrs if corrected else [])
-    return rest
+    stochastic = any(k is not None for _, _, _, k, _ in batch)
+    corrected = corrs[0] is not None
+    ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max,
+             _maps(p0.device),
+             t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
+             stochastic_params=stochastic, corrections=corrs if corrected else [])
+    return []
 
 
 __all__ = ["step_four"]

@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from .. import format4
 from .. import functional as F
 from . import four_bit
 from .layout import StateLayout
@@ -56,7 +57,7 @@ CORRECTION_KEY = "correction"
 def absmax_dtypes(layout: StateLayout, num_states: int) -> tuple:
     """Each state's block-maximum dtype: bfloat16, except a 4-bit second moment's float32 (``format4.py``)."""
     if layout.state_bits == 4:
-        return (F.ABSMAX_DTYPE, torch.float32)
+        return format4.ABSMAX_DTYPES
     return (F.ABSMAX_DTYPE,) * num_states
 
 
@@ -164,7 +165,7 @@ class QuantizedState:
     @staticmethod
     def bytes_for(layout: StateLayout, num_states: int) -> Dict[str, int]:
         """The bytes :meth:`create` allocates for ``layout`` (no step counter), by kind."""
-        absmax = sum(ABSMAX_BYTES if dtype == F.ABSMAX_DTYPE else 4 for dtype in absmax_dtypes(layout, num_states))
+        absmax = sum(dtype.itemsize for dtype in absmax_dtypes(layout, num_states))
         return {"codes": num_states * layout.num_codes,
                 "absmax": absmax * layout.num_blocks,
                 "fp32": 4 * num_states * layout.num_fp32}

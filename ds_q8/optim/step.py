@@ -131,6 +131,7 @@ class _Plan:
         self.fp32: Dict[tuple, tuple] = {}
         self.shared: Dict[int, tuple] = {}  # id(comm) -> (comm, [TensorStep with its keys])
         self.four: list = []  # 4-bit tensors: (TensorStep, step scalars, parameter rounding keys, correction)
+        self.copied: list = []  # (strided parameter, the contiguous copy stepped in its place)
 
     def _bucket(self, table, group, h):
         key = (id(group), id(h))
@@ -150,6 +151,10 @@ class _Plan:
         qs = t.state
         corr = correction_of(t)
         if layout.state_bits == 4:  # its quantized pieces take path_four, cut blocks included
+            if not t.param.is_contiguous():  # a transposed view, say: stepped in a copy, written back after
+                flat = t.param.detach().contiguous()
+                self.copied.append((t.param, flat))
+                t = t._replace(param=flat)
             if layout.has8 or layout.sharded:
                 self.four.append((t, h, keys32, corr))
             if layout.has32:
@@ -215,6 +220,8 @@ class _Plan:
             if rest and not self._skipped():
                 for item in rest:
                     reference_step_32bit(rule, item, group, h)
+        for param, flat in self.copied:
+            param.detach().copy_(flat)
 
     def _skipped(self) -> bool:
         """Whether the step is skipped, for the pure-PyTorch paths, which cannot read a device flag:
