@@ -24,6 +24,9 @@ Optimizers:
                            fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
                                     a 32-bit run that differs from torch's only in rounding (how far
                                     chaos alone moves a run)
+                           jitter   (torch too) each initial weight times 1 + 1e-6 * N(0, 1):
+                                    a start indistinguishable from the seed's, to see how far
+                                    chaos alone carries a run; jitterK: draw K of that noise
                            amp      fp32 masters, forward and backward under bf16 autocast
                            bf16     bf16 parameters (masters), written with stochastic rounding;
                                     bf16rn: rounded to nearest; bf16cb: with a correction byte
@@ -73,7 +76,7 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
-DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN
+DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb", "jitter")  # and bsN, jitterK
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
@@ -132,18 +135,42 @@ def check_optimizer_name(name: str) -> None:
     if name == "torchao4":
         return
     base, changes = split_name(name)
-    valid = {"torch": (), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
+    valid = {"torch": ("jitter",), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
     if base not in valid:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; valid: torch, bnb, ds_q8[:changes], sim[:changes]")
     for change in changes:
-        if change in valid[base]:
+        if change in valid[base] or (base in ("torch", "ds_q8") and jitter_draw((change,)) is not None):
             continue
         if base in ("ds_q8", "sim") and change.startswith("bs") and change[2:].isdigit():
             from ds_q8 import functional as F
             F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
             continue
+        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitterK",) if base in ("torch", "ds_q8") else ())
         raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
-                         f"{', '.join(valid[base] + (('bsN',) if valid[base] else ())) or 'none'}")
+                         f"{', '.join(valid[base] + more) or 'none'}")
+
+
+#: how far ``jitter`` moves each initial weight: a relative change of this size, normally distributed
+JITTER = 1e-6
+
+
+def jitter_draw(changes) -> Optional[int]:
+    """The draw of ``jitter`` (0) or ``jitterK`` (K) among ``changes``; None without one."""
+    for c in changes:
+        if c == "jitter":
+            return 0
+        if c.startswith("jitter") and c[6:].isdigit():
+            return int(c[6:])
+    return None
+
+
+@torch.no_grad()
+def jitter(model, draw: int) -> None:
+    """Multiply each initial weight by ``1 + JITTER * N(0, 1)`` (``draw`` seeds the noise): a start that
+    no run can tell from the seed's own, to see how far chaos alone carries a run from it."""
+    gen = torch.Generator().manual_seed(10_000 + draw)
+    for p in model.parameters():
+        p.mul_(1 + JITTER * torch.randn(p.shape, generator=gen))
 
 
 def block_size_of(changes, default: int) -> int:
@@ -294,6 +321,8 @@ def train_one(name: str, lr: float, seed: int, cfg: Config) -> dict:
     model = gpt_models.build_model(gpt_models.gpt2_config_of(cfg.n_layer, cfg.n_head, cfg.n_embd, VOCAB,
                                                              cfg.context))
     changes = split_name(name)[1]
+    if jitter_draw(changes) is not None:
+        jitter(model, jitter_draw(changes))
     if any(c in BF16_MASTERS for c in changes):
         model.to(torch.bfloat16)
     amp = "amp" in changes

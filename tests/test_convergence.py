@@ -56,6 +56,8 @@ def test_sim_is_the_nearest_rounded_format():
 @pytest.mark.parametrize("argv,field", [(["--optimizers", "adam9"], "unknown optimizer"),
                                         (["--optimizers", "ds_q8:m32"], "unknown change"),
                                         (["--optimizers", "sim:bs100"], "block size"),
+                                        (["--optimizers", "torch:jitterx"], "unknown change"),
+                                        (["--optimizers", "bnb:jitter"], "unknown change"),
                                         (["--steps", "0"], "--steps"), (["--lrs", "-1"], "--lrs"),
                                         (["--workers", "0"], "--workers"), (["--batch", "0"], "--batch"),
                                         (["--reference", "ds_q8:bf8"], "unknown change")])
@@ -75,3 +77,24 @@ def test_rank_sum_p_matches_the_normal_approximation_by_hand():
     tied = convergence.rank_sum_p([1, 1, 2, 5], [1, 2, 2, 6])
     assert 0.3 < tied < 1.0
     assert convergence.rank_sum_p([], [1.0]) != convergence.rank_sum_p([], [1.0])  # nan
+
+
+def test_jitter_moves_each_weight_by_a_part_in_a_million_and_its_draws_differ():
+    """``torch:jitter`` and ``ds_q8:jitterK`` are accepted; the noise is relative, about 1e-6 of each
+    weight, the same for one draw and different for another, and zero weights stay zero."""
+    for name in ("torch:jitter", "ds_q8:jitter3", "ds_q8:fp32+jitter12"):
+        convergence.check_optimizer_name(name)
+    assert convergence.jitter_draw(("fp32", "jitter12")) == 12 and convergence.jitter_draw(("fp32",)) is None
+
+    def moved(draw):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(300, 200)
+        torch.nn.init.zeros_(model.bias)
+        before = model.weight.detach().clone()
+        convergence.jitter(model, draw)
+        assert torch.equal(model.bias, torch.zeros(200))
+        return model.weight.detach() / before - 1
+
+    a, b, c = moved(0), moved(0), moved(1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert 0.5e-6 < float(a.std()) < 2e-6 and float(a.abs().max()) < 1e-5
