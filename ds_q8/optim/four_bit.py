@@ -103,19 +103,15 @@ def quantized_pieces(layout: StateLayout) -> List[Piece]:
     return sorted(layout.pieces8 + layout.shared8, key=lambda p: p.start)
 
 
-def create(qs, device) -> None:
-    """Fresh storage: both moments 0 (first-moment code 7, second-moment code 0, maxima 0)."""
+def zero_first_moment(qs) -> None:
+    """Code every first moment as 0 in fresh storage (code 7 of ``format4.M_MAP``; nibbles outside the
+    tensor stay 0); the second moment's code 0 and maxima 0 need nothing."""
     layout = qs.layout
-    entry = qs.entry
     zero_m = int(torch.searchsorted(Q4.M_MIDPOINTS, torch.zeros(1))[0])
-    entry[f"state{M + 1}"] = torch.zeros(layout.num_codes, dtype=torch.uint8, device=device)
-    entry[f"state{V + 1}"] = torch.zeros(layout.num_codes, dtype=torch.uint8, device=device)
-    entry[f"absmax{M + 1}"] = torch.zeros(layout.num_blocks, dtype=F.ABSMAX_DTYPE, device=device)
-    entry[f"absmax{V + 1}"] = torch.zeros(layout.num_blocks, dtype=torch.float32, device=device)
     codes = qs.codes()
     for piece in quantized_pieces(layout):
         sp = span(layout, piece)
-        codes[M][sp.b0:sp.b1] = Q4.pack(torch.full((sp.numel,), zero_m, dtype=torch.uint8), sp.first).to(device)
+        codes[M][sp.b0:sp.b1] = Q4.pack(torch.full((sp.numel,), zero_m, dtype=torch.uint8), sp.first).to(codes[M].device)
 
 
 def agreed_write(items: Sequence[tuple], comm, num_slots: Sequence[int]) -> None:
@@ -195,5 +191,5 @@ def restore_codes(qs, si: int, codes: Sequence[torch.Tensor]) -> None:
         c[c0:c0 + nb] = Q4.pack(whole[seg.param_start:seg.param_end], seg.param_start).to(c.device)
 
 
-__all__ = ["Span", "span", "spans", "read", "encode_v", "store", "write", "quantized_pieces", "create", "agreed_write",
+__all__ = ["Span", "span", "spans", "read", "encode_v", "store", "write", "quantized_pieces", "zero_first_moment", "agreed_write",
            "write_values", "whole_blocks_of", "unpacked_codes", "restore_codes"]

@@ -56,9 +56,7 @@ CORRECTION_KEY = "correction"
 
 def absmax_dtypes(layout: StateLayout, num_states: int) -> tuple:
     """Each state's block-maximum dtype: bfloat16, except a 4-bit second moment's float32 (``format4.py``)."""
-    if layout.state_bits == 4:
-        return format4.ABSMAX_DTYPES
-    return (F.ABSMAX_DTYPE,) * num_states
+    return codec_for(layout.state_bits).absmax_dtypes(num_states)
 
 
 def storage_keys(num_states: int) -> frozenset:
@@ -80,6 +78,198 @@ def has_storage(entry: dict) -> bool:
     return "step" in entry and any(k.startswith("state") for k in entry)
 
 
+class EightBit:
+    """8-bit codes: one byte an element, each state on its own map (``quantization``, signed or not)
+    against bfloat16 block maxima. The coding half of :class:`QuantizedState` for ``state_bits=8``;
+    the fp32 segments are the state's own."""
+
+    bits = 8
+
+    @staticmethod
+    def absmax_dtypes(num_states: int) -> tuple:
+        return (F.ABSMAX_DTYPE,) * num_states
+
+    @staticmethod
+    def create(qs: "QuantizedState", device, initial: Optional[Sequence[float]]) -> None:
+        """Codes and maxima of each state's constant ``initial[i]`` (default 0), coded as quantizing a
+        block of it codes it (its maximum rounded up to bfloat16, the nearest code of the constant
+        scaled by it), so that the step sees what it would write."""
+        layout, entry = qs.layout, qs.entry
+        if not layout.has8:
+            return
+        codes_shape, _ = layout.state_shapes()
+        for i, sgn in enumerate(qs.signed):
+            m = F.state_map(qs.quantization, sgn, "cpu")
+            x = torch.tensor([0.0 if initial is None else float(initial[i])], dtype=torch.float32)
+            am = F.block_absmax(x, 1)
+            index = int(F.quantize_with_absmax(x, am, m, 1)[0])
+            entry[codes_key(i)] = torch.full(codes_shape, index, dtype=torch.uint8, device=device)
+            entry[absmax_key(i)] = am.to(device).expand(layout.num_blocks).clone()
+
+    @staticmethod
+    def _dequantize_piece(codes, absmax, maps, bs: int, piece, start: int, end: int) -> List[torch.Tensor]:
+        off = start - piece.start
+        c0 = piece.codes_start + off
+        if piece.slot >= 0:  # part of one shared block
+            return [m[c[c0:c0 + end - start].long()] * a[piece.absmax_start].to(torch.float32)
+                    for c, a, m in zip(codes, absmax, maps)]
+        b0 = piece.absmax_start + off // bs
+        b1 = piece.absmax_start + (end - piece.start + bs - 1) // bs
+        return [F.dequantize_flat(c[c0:c0 + end - start], a[b0:b1], m, bs) for c, a, m in zip(codes, absmax, maps)]
+
+    def segment_values(self, qs: "QuantizedState", si: int) -> Iterator[Tuple[int, int, List[torch.Tensor]]]:
+        """``(start, end, [fp32 values per state])`` over 8-bit segment ``si``, chunk by chunk."""
+        layout = qs.layout
+        codes, absmax = qs.codes(), qs.absmax()
+        maps = qs.maps(codes[0].device)
+        _, _, bs = layout.segment_blocks(si)
+        for piece in layout.pieces_of(si):
+            if piece.slot >= 0:
+                yield piece.start, piece.end, self._dequantize_piece(codes, absmax, maps, bs, piece, piece.start,
+                                                                     piece.end)
+                continue
+            chunk = max(bs, CHUNK // bs * bs)
+            for s in range(piece.start, piece.end, chunk):
+                e = min(piece.end, s + chunk)
+                yield s, e, self._dequantize_piece(codes, absmax, maps, bs, piece, s, e)
+
+    @staticmethod
+    def write_values(qs: "QuantizedState", values: List[torch.Tensor], shared_absmax, quantize) -> None:
+        """The quantized half of :meth:`QuantizedState.write`."""
+        layout, k = qs.layout, qs.num_states
+        device = values[0].device if values else "cpu"
+        maps = qs.maps(device)
+        codes, absmax = qs.codes(), qs.absmax()
+        for piece in layout.pieces8:
+            _, _, bs = layout.segment_blocks(piece.segment)
+            for c, a, m, v in zip(codes, absmax, maps, values):
+                x = v[piece.start:piece.end]
+                if quantize is not None:
+                    cs = slice(piece.codes_start, piece.codes_start + piece.numel)
+                    c[cs], a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = quantize(x, m, bs)
+                    continue
+                am = F.block_absmax(x, bs)
+                a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = am
+                c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, bs)
+        if not layout.sharded:
+            return
+        if shared_absmax is None:
+            vec = torch.zeros(layout.num_slots * k, dtype=torch.float32, device=device)
+            for piece in layout.shared8:
+                for i, v in enumerate(values):
+                    local = v[piece.start:piece.end].abs().max() if piece.numel else torch.zeros(())
+                    vec[i * layout.num_slots + piece.slot] = local
+            layout.comm.all_reduce_max(vec)
+            agreed = {s: [float(vec[i * layout.num_slots + s]) for i in range(k)] for s in range(layout.num_slots)}
+        else:
+            agreed = shared_absmax
+        for piece in layout.shared8:
+            for i, (c, a, m, v) in enumerate(zip(codes, absmax, maps, values)):
+                am = F.stored_absmax(torch.tensor([agreed[piece.slot][i]], dtype=torch.float32, device=device))
+                a[piece.absmax_start:piece.absmax_start + 1] = am
+                c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(
+                    v[piece.start:piece.end], am, m, piece.numel)
+
+    @staticmethod
+    def write_segment(qs: "QuantizedState", si: int, i: int, v: torch.Tensor) -> None:
+        """The quantized half of :meth:`QuantizedState.write_segment`."""
+        layout = qs.layout
+        seg = layout.segments[si]
+        codes, absmax = qs.codes()[i], qs.absmax()[i]
+        m = qs.maps(codes.device)[i]
+        _, _, bs = layout.segment_blocks(si)
+        for piece in layout.pieces_of(si):
+            x = v[seg.param_start + piece.start - seg.start:seg.param_start + piece.end - seg.start]
+            if piece.slot >= 0:
+                block = (seg.param_start + piece.start - seg.start) // bs
+                am = F.stored_absmax(v[block * bs:min((block + 1) * bs, seg.param_numel)].abs().amax().reshape(1))
+                piece_bs = piece.numel
+            else:
+                am, piece_bs = F.block_absmax(x, bs), bs
+            absmax[piece.absmax_start:piece.absmax_start + am.numel()] = am
+            codes[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, piece_bs)
+
+    @staticmethod
+    def segment_codes(qs: "QuantizedState", si: int) -> List[torch.Tensor]:
+        """Each state's codes over 8-bit segment ``si``, one uint8 an element (views)."""
+        c0, n = qs.layout.segment_codes[si], qs.layout.segments[si].numel
+        return [c[c0:c0 + n] for c in qs.codes()]
+
+    @staticmethod
+    def restore_codes(qs: "QuantizedState", si: int, codes: List[torch.Tensor], saved: Sequence[torch.Tensor]) -> None:
+        """Set segment ``si``'s codes (``codes``: :meth:`segment_codes`) from its whole parameter's."""
+        seg = qs.layout.segments[si]
+        for c, whole in zip(codes, saved):
+            c.copy_(whole[seg.param_start:seg.param_end])
+
+
+class FourBit:
+    """4-bit codes (``optim_bits=4``): Adam's two moments in ``format4.py``'s format, two codes a byte;
+    ``four_bit.py`` does the work. The coding half of :class:`QuantizedState` for ``state_bits=4``."""
+
+    bits = 4
+
+    @staticmethod
+    def absmax_dtypes(num_states: int) -> tuple:
+        return format4.ABSMAX_DTYPES
+
+    @staticmethod
+    def create(qs: "QuantizedState", device, initial: Optional[Sequence[float]]) -> None:
+        """Both moments 0 (the first moment's code of 0, the second's code 0, maxima 0)."""
+        if initial is not None and any(float(x) != 0.0 for x in initial):
+            raise ValueError("4-bit state starts at zero")
+        layout, entry = qs.layout, qs.entry
+        if not layout.has8:
+            return
+        for i, dtype in enumerate(format4.ABSMAX_DTYPES):
+            entry[codes_key(i)] = torch.zeros(layout.num_codes, dtype=torch.uint8, device=device)
+            entry[absmax_key(i)] = torch.zeros(layout.num_blocks, dtype=dtype, device=device)
+        four_bit.zero_first_moment(qs)
+
+    @staticmethod
+    def segment_values(qs: "QuantizedState", si: int) -> Iterator[Tuple[int, int, List[torch.Tensor]]]:
+        layout = qs.layout
+        for piece in layout.pieces_of(si):
+            for sp in four_bit.spans(layout, piece, CHUNK):
+                yield sp.start, sp.end, list(four_bit.read(qs, sp))
+
+    @staticmethod
+    def write_values(qs: "QuantizedState", values: List[torch.Tensor], shared_absmax, quantize) -> None:
+        four_bit.write_values(qs, values, shared_absmax)
+
+    @staticmethod
+    def write_segment(qs: "QuantizedState", si: int, i: int, v: torch.Tensor) -> None:
+        """One moment of a segment: the other read and both written again (the first moment is stored
+        against the second), so a block that a partition edge cuts is refused."""
+        layout = qs.layout
+        seg = layout.segments[si]
+        if any(piece.slot >= 0 for piece in layout.pieces_of(si)):
+            raise ValueError(f"4-bit state of {seg.name or 'a parameter'} cannot be set one state at a time "
+                             "where a partition edge cuts a block (its first moment is stored against the "
+                             "second, over the whole block); set both with load_dequantized_state on every rank")
+        for piece in layout.pieces_of(si):
+            sp = four_bit.span(layout, piece)
+            values = list(four_bit.read(qs, sp))
+            values[i] = v[seg.param_start + sp.start - seg.start:seg.param_start + sp.end - seg.start]
+            four_bit.write(qs, sp, *values)
+
+    @staticmethod
+    def segment_codes(qs: "QuantizedState", si: int) -> List[torch.Tensor]:
+        return four_bit.unpacked_codes(qs, si)
+
+    @staticmethod
+    def restore_codes(qs: "QuantizedState", si: int, codes: List[torch.Tensor], saved: Sequence[torch.Tensor]) -> None:
+        four_bit.restore_codes(qs, si, saved)
+
+
+_CODECS = {8: EightBit(), 4: FourBit()}
+
+
+def codec_for(state_bits: int):
+    """The codec of a layout's ``state_bits`` (8 or 4)."""
+    return _CODECS[state_bits]
+
+
 class QuantizedState:
     """One tensor's state (see the module doc). ``signed`` gives each state's map; ``quantization``
     is the group's map kind ("dynamic" or "linear")."""
@@ -90,6 +280,8 @@ class QuantizedState:
         self.signed = tuple(signed)
         self.quantization = quantization
         self._views = None
+        #: how the quantized segments are coded: :class:`EightBit` or :class:`FourBit`
+        self.codec = codec_for(layout.state_bits)
         k = len(self.signed)
         self._keys = {key: tuple(key(i) for i in range(k)) for key in (codes_key, absmax_key, fp32_key)}
 
@@ -107,27 +299,12 @@ class QuantizedState:
         the nearest code of the constant scaled by it), so that the step sees what it would write."""
         qs = cls(entry, layout, signed, quantization)
         entry.clear()
-        codes_shape, fp32_shape = layout.state_shapes()
+        _, fp32_shape = layout.state_shapes()
         entry["step"] = torch.tensor(0.0)
-        if layout.state_bits == 4:
-            if initial is not None and any(float(x) != 0.0 for x in initial):
-                raise ValueError("4-bit state starts at zero")
-            if layout.has8:
-                four_bit.create(qs, device)
+        qs.codec.create(qs, device, initial)
+        if layout.has32:
             for i in range(qs.num_states):
-                if layout.has32:
-                    entry[fp32_key(i)] = torch.zeros(fp32_shape, dtype=torch.float32, device=device)
-            return qs
-        for i, sgn in enumerate(qs.signed):
-            value = 0.0 if initial is None else float(initial[i])
-            if layout.has8:
-                m = F.state_map(quantization, sgn, "cpu")
-                x = torch.tensor([value], dtype=torch.float32)
-                am = F.block_absmax(x, 1)
-                index = int(F.quantize_with_absmax(x, am, m, 1)[0])
-                entry[codes_key(i)] = torch.full(codes_shape, index, dtype=torch.uint8, device=device)
-                entry[absmax_key(i)] = am.to(device).expand(layout.num_blocks).clone()
-            if layout.has32:
+                value = 0.0 if initial is None else float(initial[i])
                 entry[fp32_key(i)] = torch.full(fp32_shape, value, dtype=torch.float32, device=device)
         return qs
 
@@ -192,16 +369,6 @@ class QuantizedState:
                 for piece in self.layout.pieces32]
 
     # ------------------------------------------------------------------ reading
-    def _dequantize_piece(self, codes, absmax, maps, bs: int, piece, start: int, end: int) -> List[torch.Tensor]:
-        off = start - piece.start
-        c0 = piece.codes_start + off
-        if piece.slot >= 0:  # part of one shared block
-            return [m[c[c0:c0 + end - start].long()] * a[piece.absmax_start].to(torch.float32)
-                    for c, a, m in zip(codes, absmax, maps)]
-        b0 = piece.absmax_start + off // bs
-        b1 = piece.absmax_start + (end - piece.start + bs - 1) // bs
-        return [F.dequantize_flat(c[c0:c0 + end - start], a[b0:b1], m, bs) for c, a, m in zip(codes, absmax, maps)]
-
     def segment_values(self, si: int) -> Iterator[Tuple[int, int, List[torch.Tensor]]]:
         """``(start, end, [fp32 values per state])`` over segment ``si``, chunk by chunk, in tensor order."""
         layout = self.layout
@@ -213,23 +380,7 @@ class QuantizedState:
                 e = min(seg.end, s + CHUNK)
                 yield s, e, [f[base + s:base + e] for f in f32]
             return
-        if layout.state_bits == 4:
-            for piece in layout.pieces_of(si):
-                for sp in four_bit.spans(layout, piece, CHUNK):
-                    yield sp.start, sp.end, list(four_bit.read(self, sp))
-            return
-        codes, absmax = self.codes(), self.absmax()
-        maps = self.maps(codes[0].device)
-        _, _, bs = layout.segment_blocks(si)
-        for piece in layout.pieces_of(si):
-            if piece.slot >= 0:
-                yield piece.start, piece.end, self._dequantize_piece(codes, absmax, maps, bs, piece, piece.start,
-                                                                     piece.end)
-                continue
-            chunk = max(bs, CHUNK // bs * bs)
-            for s in range(piece.start, piece.end, chunk):
-                e = min(piece.end, s + chunk)
-                yield s, e, self._dequantize_piece(codes, absmax, maps, bs, piece, s, e)
+        yield from self.codec.segment_values(self, si)
 
     def segment_codes(self, si: int, i: int) -> torch.Tensor:
         """State ``i``'s codes over 8-bit segment ``si`` (a view: a segment's codes are packed together)."""
@@ -262,7 +413,7 @@ class QuantizedState:
         one all-reduce (every rank must call this then), unless ``shared_absmax`` gives them
         (slot -> one value per state). ``quantize(x, map, block_size) -> (codes, absmax)`` may do
         the whole blocks (the compiled kernels: the same codes)."""
-        layout, k = self.layout, self.num_states
+        layout = self.layout
         if layout.has32:
             f32 = self.fp32()
             for piece in layout.pieces32:
@@ -270,42 +421,7 @@ class QuantizedState:
                     f[piece.codes_start:piece.codes_start + piece.numel] = v[piece.start:piece.end]
         if not layout.has8 and not layout.sharded:
             return
-        if layout.state_bits == 4:
-            four_bit.write_values(self, values, shared_absmax)
-            return
-        device = values[0].device if values else "cpu"
-        maps = self.maps(device)
-        if layout.has8:
-            codes, absmax = self.codes(), self.absmax()
-            for piece in layout.pieces8:
-                _, _, bs = layout.segment_blocks(piece.segment)
-                for c, a, m, v in zip(codes, absmax, maps, values):
-                    x = v[piece.start:piece.end]
-                    if quantize is not None:
-                        cs = slice(piece.codes_start, piece.codes_start + piece.numel)
-                        c[cs], a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = quantize(x, m, bs)
-                        continue
-                    am = F.block_absmax(x, bs)
-                    a[piece.absmax_start:piece.absmax_start + piece.absmax_count] = am
-                    c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, bs)
-        if not layout.sharded:
-            return
-        if shared_absmax is None:
-            vec = torch.zeros(layout.num_slots * k, dtype=torch.float32, device=device)
-            for piece in layout.shared8:
-                for i, v in enumerate(values):
-                    local = v[piece.start:piece.end].abs().max() if piece.numel else torch.zeros(())
-                    vec[i * layout.num_slots + piece.slot] = local
-            layout.comm.all_reduce_max(vec)
-            agreed = {s: [float(vec[i * layout.num_slots + s]) for i in range(k)] for s in range(layout.num_slots)}
-        else:
-            agreed = shared_absmax
-        for piece in layout.shared8:
-            for i, (c, a, m, v) in enumerate(zip(codes, absmax, maps, values)):
-                am = F.stored_absmax(torch.tensor([agreed[piece.slot][i]], dtype=torch.float32, device=device))
-                a[piece.absmax_start:piece.absmax_start + 1] = am
-                c[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(
-                    v[piece.start:piece.end], am, m, piece.numel)
+        self.codec.write_values(self, values, shared_absmax, quantize)
 
     def write_segment(self, si: int, i: int, param_values: torch.Tensor) -> None:
         """Set state ``i`` of segment ``si`` from its whole parameter's fp32 values (requantizing).
@@ -319,30 +435,7 @@ class QuantizedState:
             base = layout.segment_codes[si]
             self.fp32()[i][base:base + seg.numel] = v[seg.param_start:seg.param_end]
             return
-        if layout.state_bits == 4:
-            if any(piece.slot >= 0 for piece in layout.pieces_of(si)):
-                raise ValueError(f"4-bit state of {seg.name or 'a parameter'} cannot be set one state at a time "
-                                 "where a partition edge cuts a block (its first moment is stored against the "
-                                 "second, over the whole block); set both with load_dequantized_state on every rank")
-            for piece in layout.pieces_of(si):
-                sp = four_bit.span(layout, piece)
-                values = list(four_bit.read(self, sp))
-                values[i] = v[seg.param_start + sp.start - seg.start:seg.param_start + sp.end - seg.start]
-                four_bit.write(self, sp, *values)
-            return
-        codes, absmax = self.codes()[i], self.absmax()[i]
-        m = self.maps(codes.device)[i]
-        _, _, bs = layout.segment_blocks(si)
-        for piece in layout.pieces_of(si):
-            x = v[seg.param_start + piece.start - seg.start:seg.param_start + piece.end - seg.start]
-            if piece.slot >= 0:
-                block = (seg.param_start + piece.start - seg.start) // bs
-                am = F.stored_absmax(v[block * bs:min((block + 1) * bs, seg.param_numel)].abs().amax().reshape(1))
-                piece_bs = piece.numel
-            else:
-                am, piece_bs = F.block_absmax(x, bs), bs
-            absmax[piece.absmax_start:piece.absmax_start + am.numel()] = am
-            codes[piece.codes_start:piece.codes_start + piece.numel] = F.quantize_with_absmax(x, am, m, piece_bs)
+        self.codec.write_segment(self, si, i, v)
 
     # ------------------------------------------------------------------ whole parameters (universal checkpoints)
     def segment_params(self) -> Iterator[tuple]:
@@ -358,8 +451,7 @@ class QuantizedState:
             if seg.eight_bit:
                 first, nb, _ = layout.segment_blocks(si)
                 a0 = layout.segment_absmax[si]
-                codes = (four_bit.unpacked_codes(self, si) if layout.state_bits == 4
-                         else [c[c0:c0 + seg.numel] for c in self.codes()])
+                codes = self.codec.segment_codes(self, si)
                 yield si, seg, first, codes, [a[a0:a0 + nb] for a in self.absmax()], None
             else:
                 yield si, seg, 0, None, None, [f[c0:c0 + seg.numel] for f in self.fp32()]
@@ -377,11 +469,8 @@ class QuantizedState:
                     raise ValueError(f"universal checkpoint holds {entry['numel']} elements for {seg.name}, "
                                      f"the parameter has {seg.param_numel}")
                 _, nb, _ = layout.segment_blocks(si)
-                if layout.state_bits == 4:
-                    four_bit.restore_codes(self, si, entry["codes"])
+                self.codec.restore_codes(self, si, codes, entry["codes"])
                 for i in range(self.num_states):
-                    if layout.state_bits == 8:
-                        codes[i].copy_(entry["codes"][i][seg.param_start:seg.param_end])
                     absmax[i].copy_(entry["absmax"][i][first:first + nb])
             else:
                 for i in range(self.num_states):
@@ -435,5 +524,5 @@ def _numel(shape) -> int:
     return n
 
 
-__all__ = ["CORRECTION_KEY", "QuantizedState", "codes_key", "absmax_key", "fp32_key", "storage_keys", "is_8bit", "has_storage",
+__all__ = ["CORRECTION_KEY", "QuantizedState", "EightBit", "FourBit", "codec_for", "codes_key", "absmax_key", "fp32_key", "storage_keys", "is_8bit", "has_storage",
            "CHUNK"]
