@@ -24,7 +24,7 @@ Optimizers:
                            fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
                                     a 32-bit run that differs from torch's only in rounding (how far
                                     chaos alone moves a run)
-                           jitter   (torch too) each initial weight times 1 + 1e-6 * N(0, 1):
+                           jitter   (torch and sim too) each initial weight times 1 + 1e-6 * N(0, 1):
                                     a start indistinguishable from the seed's, to see how far
                                     chaos alone carries a run; jitterK: draw K of that noise
                            amp      fp32 masters, forward and backward under bf16 autocast
@@ -42,7 +42,7 @@ Optimizers:
                            neg1     a signed map whose most negative entry is -1.0, not -0.99297
                            sr       stochastic requantization of both states (srm: the first moment
                                     only, srv: the second moment only, as ds_q8 does)
-                           bsN, emb32  as for ds_q8
+                           bsN, emb32, jitter[K]  as for ds_q8
 ``--reference NAME`` (default torch) is the run the others are compared with, seed by seed; the
 table then also gives each run's weight drift from it (the relative L2 distance of the final weights).
 The masters study (fp32 against bf16 masters at a low learning rate) is one command:
@@ -75,7 +75,7 @@ import lowbit_sim  # noqa: E402
 from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmup, cosine to a tenth)
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
-SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN
+SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32", "jitter")  # and bsN, jitterK
 DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb", "jitter")  # and bsN, jitterK
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
@@ -139,13 +139,13 @@ def check_optimizer_name(name: str) -> None:
     if base not in valid:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; valid: torch, bnb, ds_q8[:changes], sim[:changes]")
     for change in changes:
-        if change in valid[base] or (base in ("torch", "ds_q8") and jitter_draw((change,)) is not None):
+        if change in valid[base] or (base != "bnb" and jitter_draw((change,)) is not None):
             continue
         if base in ("ds_q8", "sim") and change.startswith("bs") and change[2:].isdigit():
             from ds_q8 import functional as F
             F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
             continue
-        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitterK",) if base in ("torch", "ds_q8") else ())
+        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitterK",) if base != "bnb" else ())
         raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
                          f"{', '.join(valid[base] + more) or 'none'}")
 

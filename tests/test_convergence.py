@@ -80,9 +80,9 @@ def test_rank_sum_p_matches_the_normal_approximation_by_hand():
 
 
 def test_jitter_moves_each_weight_by_a_part_in_a_million_and_its_draws_differ():
-    """``torch:jitter`` and ``ds_q8:jitterK`` are accepted; the noise is relative, about 1e-6 of each
-    weight, the same for one draw and different for another, and zero weights stay zero."""
-    for name in ("torch:jitter", "ds_q8:jitter3", "ds_q8:fp32+jitter12"):
+    """``torch:jitter``, ``ds_q8:jitterK`` and ``sim:...+jitterK`` are accepted; the noise is relative,
+    about 1e-6 of each weight, the same for one draw and different for another, and zero weights stay zero."""
+    for name in ("torch:jitter", "ds_q8:jitter3", "ds_q8:fp32+jitter12", "sim:m32+srv+jitter2"):
         convergence.check_optimizer_name(name)
     assert convergence.jitter_draw(("fp32", "jitter12")) == 12 and convergence.jitter_draw(("fp32",)) is None
 
