@@ -75,8 +75,8 @@ import lowbit_sim  # noqa: E402
 from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmup, cosine to a tenth)
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
-SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32", "jitter")  # and bsN, jitterK
-DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb", "jitter")  # and bsN, jitterK
+SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN, jitter[K]
+DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN, jitter[K]
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
@@ -135,7 +135,7 @@ def check_optimizer_name(name: str) -> None:
     if name == "torchao4":
         return
     base, changes = split_name(name)
-    valid = {"torch": ("jitter",), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
+    valid = {"torch": (), "bnb": (), "ds_q8": DS_Q8_CHANGES, "sim": SIM_CHANGES}
     if base not in valid:
         raise ValueError(f"--optimizers: unknown optimizer {name!r}; valid: torch, bnb, ds_q8[:changes], sim[:changes]")
     for change in changes:
@@ -145,7 +145,7 @@ def check_optimizer_name(name: str) -> None:
             from ds_q8 import functional as F
             F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
             continue
-        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitterK",) if base != "bnb" else ())
+        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitter[K]",) if base != "bnb" else ())
         raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
                          f"{', '.join(valid[base] + more) or 'none'}")
 

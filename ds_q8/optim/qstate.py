@@ -83,8 +83,6 @@ class EightBit:
     against bfloat16 block maxima. The coding half of :class:`QuantizedState` for ``state_bits=8``;
     the fp32 segments are the state's own."""
 
-    bits = 8
-
     @staticmethod
     def absmax_dtypes(num_states: int) -> tuple:
         return (F.ABSMAX_DTYPE,) * num_states
@@ -206,8 +204,6 @@ class EightBit:
 class FourBit:
     """4-bit codes (``optim_bits=4``): Adam's two moments in ``format4.py``'s format, two codes a byte;
     ``four_bit.py`` does the work. The coding half of :class:`QuantizedState` for ``state_bits=4``."""
-
-    bits = 4
 
     @staticmethod
     def absmax_dtypes(num_states: int) -> tuple:
