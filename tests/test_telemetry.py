@@ -10,11 +10,11 @@ from helpers.isa import ISAS, isa  # noqa: F401  (isa: a fixture)
 from helpers.layout import KW, SIZES, grads_for, run_plain, run_sharded
 
 
-def _trained(impl, steps=4, every=2):
+def _trained(impl, steps=4, every=2, bits=8):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(300, 40)),
               torch.nn.Parameter(torch.randn(10))]  # the last one keeps fp32 state
-    opt = ds_q8.AdamW8bitBlock(params, lr=1e-2, impl=impl, block_size=256)
+    opt = ds_q8.AdamW8bitBlock(params, lr=1e-2, impl=impl, block_size=256 if bits == 8 else 64, optim_bits=bits)
     if every:
         opt.track_quantization(every)
     g = torch.Generator().manual_seed(1)
@@ -71,11 +71,12 @@ def test_a_second_moment_at_code_zero_shows():
     assert opt.quantization_report()["states"]["exp_avg_sq"]["at_zero"] == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("world,stage", [(3, 2), (2, 3)])
-def test_zero_partitions_add_up_to_the_whole_parameters(world, stage):
+def test_zero_partitions_add_up_to_the_whole_parameters(world, stage, bits):
     """Each rank measures its slices, blocks cut by partition edges included: per parameter the ranks'
     sums are the unsharded optimizer's."""
-    kw = dict(KW, lr=1e-2)
+    kw = dict(KW, lr=1e-2, optim_bits=bits)
     cls = ds_q8.Adam8bitBlock
     params, plain = run_plain(cls, SIZES, 0, kw)
     plain.track_quantization(1)
@@ -135,3 +136,37 @@ def test_the_report_covers_every_group_rule_muon_momentum_included():
     assert r["states"]["momentum_buffer"]["rel_error"] is not None
     names = {(e["numel"], tuple(k for k in e if isinstance(e[k], dict))) for e in r["params"]}
     assert names == {(128 * 64, ("momentum_buffer",)), (5000, ("exp_avg", "exp_avg_sq"))}
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+def test_four_bit_state_is_reported_and_measured_without_changing_the_step(impl):
+    """optim_bits=4: both moments are in the report, at the 4-bit maps' zero and ends, and the measured
+    error is what requantizing Adam's fp32 moments lost (computed here from the state before the step).
+    Measuring routes a step through the reference, which the kernels equal bit for bit: tracking changes
+    no bit of the run."""
+    tracked, untracked = _trained(impl, every=1, bits=4), _trained(impl, every=0, bits=4)
+    for a, b in zip(tracked.param_groups[0]["params"], untracked.param_groups[0]["params"]):
+        assert torch.equal(a, b)
+    r = tracked.quantization_report()
+    assert set(r["states"]) == {"exp_avg", "exp_avg_sq"} and len(r["params"]) == 2
+    assert r["states"]["exp_avg_sq"]["at_zero"] == 0.0  # the 4-bit second moment's map has no zero
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert 0.0 < r["states"][name]["at_extreme"] < 0.2
+        assert 0.005 < r["states"][name]["rel_error"] < 0.3  # 4 bits: coarser than 8 (below 0.05 there)
+
+    # one more measured step, its error computed by hand from the state it starts from
+    params = [p for p in tracked.param_groups[0]["params"] if p.numel() >= 4096]
+    before = [tracked.quantized_state(p, create=False).read() for p in params]
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(p.shape, generator=g) for p in tracked.param_groups[0]["params"]]
+    for p, gr in zip(tracked.param_groups[0]["params"], grads):
+        p.grad = gr
+    tracked.step()
+    after = [tracked.quantized_state(p, create=False).read() for p in params]
+    r = tracked.quantization_report()
+    grads = [gr.reshape(-1) for p, gr in zip(tracked.param_groups[0]["params"], grads) if p.numel() >= 4096]
+    for k, (name, beta) in enumerate((("exp_avg", 0.9), ("exp_avg_sq", 0.999))):
+        x = [beta * b[k] + (1 - beta) * (gr if k == 0 else gr * gr) for b, gr in zip(before, grads)]
+        err = sum(float((a[k].double() - xi.double()).abs().sum()) for a, xi in zip(after, x))
+        mag = sum(float(xi.double().abs().sum()) for xi in x)
+        assert r["states"][name]["rel_error"] == pytest.approx(err / mag, rel=1e-5), name

@@ -258,14 +258,13 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self._telemetry = None if not every else telemetry.Telemetry(every)
 
     def quantization_report(self) -> dict:
-        """What the 8-bit states hold now and how much the last measured requantization lost, per state,
-        in total and per parameter (``optim/telemetry.py``). The code fractions need no tracking; the
-        error needs :meth:`track_quantization` (None otherwise)."""
+        """What the quantized states (8- or 4-bit) hold now and how much the last measured requantization
+        lost, per state, in total and per parameter (``optim/telemetry.py``). The code fractions need no
+        tracking; the error needs :meth:`track_quantization` (None otherwise)."""
         self.settle()
-        # every 8-bit tensor, each with its own group's rule (Muon's matrices keep momentum_buffer)
-        states = [(p, qs, self.rule_of(p).state_names) for p, qs in
-                  ((p, self.quantized_state(p, create=False)) for p, st in self.state.items() if is_8bit(st))
-                  if qs.layout.state_bits == 8]  # 4-bit state: not measured by the report
+        # every quantized tensor, each with its own group's rule (Muon's matrices keep momentum_buffer)
+        states = [(p, self.quantized_state(p, create=False), self.rule_of(p).state_names)
+                  for p, st in self.state.items() if is_8bit(st)]
         return telemetry.report(states, self._telemetry)
 
     # ------------------------------------------------------------------ step

@@ -8,7 +8,8 @@ none can run (``impl="reference"``, an op that cannot be built), to the pure-PyT
 which is their specification bit for bit. The parts of blocks that partition edges cut are updated
 by the reference, and their maxima agreed across ranks before they are coded
 (``four_bit.agreed_write``), so a parameter's codes are those of the unsharded optimizer at every ZeRO
-stage and world size. Parameters are read and written as every path does (``path_reference.py``).
+stage and world size. A tensor whose requantization error telemetry measures at this step
+(``optim/telemetry.py``) takes the reference, which adds it up as it codes. Parameters are read and written as every path does (``path_reference.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from .path_kernel import _unsupported, kernel_rule
 from .path_reference import read_param, write_param
 from .pieces import TensorStep
 from .rules import Rule
+from .telemetry import add_error
 
 _MAPS: Dict[str, list] = {}  # device -> format4's maps and midpoints there, copied once
 
@@ -56,31 +58,47 @@ def step_four(rule: Rule, tensors: Sequence[tuple]) -> None:
     """Step the quantized pieces of 4-bit tensors: ``tensors`` lists ``(TensorStep, step scalars,
     rounding keys per segment or None, correction bytes or None)``; their fp32 pieces take the fp32
     path. Every rank calls this with the same tensors (the cut blocks' maxima are agreed)."""
-    shared: Dict[int, tuple] = {}  # id(comm) -> (comm, [items], [slots per tensor])
+    shared: Dict[int, tuple] = {}  # id(comm) -> (comm, [items], [slots per tensor], [measured])
     batches: Dict[tuple, list] = {}  # (group, step scalars, device, dtypes) -> whole pieces for one kernel call
+    measured = []  # the whole pieces of tensors whose requantization error telemetry measures this step
     for t, h, keys, corr in tensors:
         layout = t.state.layout
         for piece in layout.pieces8:
+            if t.sums is not None:
+                measured.append((t, h, piece, keys, corr))
+                continue
             batches.setdefault((id(t.group), id(h), str(t.param.device), t.param.dtype, t.grad.dtype), []).append(
                 (t, h, piece, keys, corr))
-    for batch in batches.values():
-        for t, h, piece, keys, corr in _kernel_step(rule, batch):
+    for batch in [_kernel_step(rule, b) for b in batches.values()] + [measured]:
+        for t, h, piece, keys, corr in batch:
             layout = t.state.layout
             for sp in four_bit.spans(layout, piece, qstate.CHUNK):
                 m, v = _update(rule, t, h, sp, piece.segment, keys, corr)
                 four_bit.write(t.state, sp, m, v)
+                _measure(t, piece.segment, sp, m, v)
     for t, h, keys, corr in tensors:
         layout = t.state.layout
         if layout.sharded:
-            comm, items, slots = shared.setdefault(id(layout.comm), (layout.comm, [], []))
+            comm, items, slots, done = shared.setdefault(id(layout.comm), (layout.comm, [], [], []))
             base = sum(slots)
             for piece in layout.shared8:
                 sp = four_bit.span(layout, piece)
                 m, v = _update(rule, t, h, sp, piece.segment, keys, corr)
                 items.append((t.state, sp, base + piece.slot, m, v))
+                done.append((t, piece.segment, sp, m, v))
             slots.append(layout.num_slots)
-    for comm, items, slots in shared.values():
+    for comm, items, slots, done in shared.values():
         four_bit.agreed_write(items, comm, slots)
+        for args in done:
+            _measure(*args)
+
+
+def _measure(t: TensorStep, si: int, sp: four_bit.Span, m: torch.Tensor, v: torch.Tensor) -> None:
+    """Telemetry: add what requantizing a span of segment ``si`` lost to the tensor's error sums."""
+    if t.sums is None:
+        return
+    for k, (stored, x) in enumerate(zip(four_bit.read(t.state, sp), (m, v))):
+        add_error(t.sums[si], k, stored, x)
 
 
 def _kernel_step(rule: Rule, batch: list) -> list:

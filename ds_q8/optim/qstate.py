@@ -88,6 +88,11 @@ class EightBit:
         return (F.ABSMAX_DTYPE,) * num_states
 
     @staticmethod
+    def code_maps(qs: "QuantizedState", device) -> List[torch.Tensor]:
+        """The values each state's codes stand for (times the block's maximum)."""
+        return qs.maps(device)
+
+    @staticmethod
     def create(qs: "QuantizedState", device, initial: Optional[Sequence[float]]) -> None:
         """Codes and maxima of each state's constant ``initial[i]`` (default 0), coded as quantizing a
         block of it codes it (its maximum rounded up to bfloat16, the nearest code of the constant
@@ -208,6 +213,11 @@ class FourBit:
     @staticmethod
     def absmax_dtypes(num_states: int) -> tuple:
         return format4.ABSMAX_DTYPES
+
+    @staticmethod
+    def code_maps(qs: "QuantizedState", device) -> List[torch.Tensor]:
+        """``format4``'s maps: the first moment's (of ``m / sqrt(v)``), the second moment's."""
+        return [format4.M_MAP.to(device), format4.V_MAP.to(device)]
 
     @staticmethod
     def create(qs: "QuantizedState", device, initial: Optional[Sequence[float]]) -> None:
@@ -378,10 +388,14 @@ class QuantizedState:
             return
         yield from self.codec.segment_values(self, si)
 
-    def segment_codes(self, si: int, i: int) -> torch.Tensor:
-        """State ``i``'s codes over 8-bit segment ``si`` (a view: a segment's codes are packed together)."""
-        c0 = self.layout.segment_codes[si]
-        return self.codes()[i][c0:c0 + self.layout.segments[si].numel]
+    def segment_codes(self, si: int) -> List[torch.Tensor]:
+        """Each state's codes over quantized segment ``si``, one uint8 an element (8-bit: views; 4-bit:
+        unpacked), indices into :meth:`code_maps`."""
+        return self.codec.segment_codes(self, si)
+
+    def code_maps(self, device) -> List[torch.Tensor]:
+        """The map each state's codes index (:meth:`segment_codes`)."""
+        return self.codec.code_maps(self, device)
 
     def read(self, device=None) -> List[torch.Tensor]:
         """Each state's fp32 values over the whole tensor, flat (padding reads as zero)."""

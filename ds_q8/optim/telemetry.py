@@ -1,20 +1,23 @@
-"""Quantization telemetry: what the 8-bit state is doing, on request.
+"""Quantization telemetry: what the quantized (8- or 4-bit) state is doing, on request.
 
 ``optimizer.track_quantization(every=N)`` measures the requantization error of every N-th step (of
 each tensor's step count, so that it does not matter whether a wrapper such as ZeRO steps the
 parameter groups in one ``step()`` call or one each): for each optimized tensor, each of its
-parameters and each 8-bit state, the kernels (and the reference) add up ``sum |requantized - x|``,
+parameters and each quantized state, the kernels (and the reference) add up ``sum |requantized - x|``,
 ``sum |x|`` and the number of nonzero values requantized to zero over the elements they requantize,
 into a small float64 tensor on the tensor's device. Nothing is read back: on a GPU the sums stay on the
-device until :meth:`report` asks. Off (the default), no sum is kept and the kernels get none.
+device until :meth:`report` asks. Off (the default), no sum is kept and the kernels get none. 4-bit
+state (``optim_bits=4``) is measured by its reference step, which the 4-bit kernels equal bit for bit:
+a measured step of such a tensor takes the reference's time, the others the kernel's.
 
 ``optimizer.quantization_report()`` then returns, for every state of every group's rule (an optimizer
 with a rule per group, Muon8bitBlock, reports its matrices' ``momentum_buffer`` beside its AdamW's
 ``exp_avg`` and ``exp_avg_sq``), in total and per parameter:
-  * ``at_zero``: the fraction of 8-bit elements at the map's zero (code 0 of an unsigned map, 127 of
-    the signed one) -- a second moment there means a wiped history unless its gradient is zero;
-  * ``at_extreme``: the fraction at the map's ends (codes 0 and 255 of the signed map, 255 of the
-    unsigned one), the block maxima and their ties;
+  * ``at_zero``: the fraction of quantized elements at the map's zero (code 0 of an unsigned 8-bit
+    map, 127 of the signed one, 7 of the 4-bit first moment's; the 4-bit second moment's map has no
+    zero) -- a second moment there means a wiped history unless its gradient is zero;
+  * ``at_extreme``: the fraction at the map's ends (both ends of a signed map, the top of an unsigned
+    one), the block maxima and their ties;
   * ``rel_error``: ``sum |requantized - x| / sum |x|`` of each tensor's last measured step (None
     before one); ``measured_step`` says which step that was;
   * ``zeroed``: the fraction of elements whose value was not zero but was stored as zero (the map's
@@ -68,10 +71,15 @@ def add_error(sums: Optional[torch.Tensor], k: int, requantized: torch.Tensor, x
     sums[k, 2] += ((requantized == 0) & (x != 0)).sum().double()
 
 
-def _fractions(codes: torch.Tensor, signed: bool, total: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    zero = 127 if signed else 0
-    at_zero = (codes == zero).sum()
-    at_extreme = ((codes == 0) | (codes == 255)).sum() if signed else (codes == 255).sum()
+def _fractions(codes: torch.Tensor, code_map: torch.Tensor, total: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """How many of ``codes`` sit at ``code_map``'s zero (none where the map has no zero) and at its ends
+    (both ends of a map with negative entries, the top of one without)."""
+    zero = (code_map == 0).nonzero().flatten()
+    top = (code_map == code_map.max()).nonzero().flatten()
+    ends = torch.cat([top, (code_map == code_map.min()).nonzero().flatten()]) if bool(code_map.min() < 0) else top
+    c = codes.to(torch.int64)
+    at_zero = torch.isin(c, zero.to(c.device)).sum()
+    at_extreme = torch.isin(c, ends.to(c.device)).sum()
     total["n"] += codes.numel()
     total["at_zero"] += at_zero
     total["at_extreme"] += at_extreme
@@ -79,8 +87,8 @@ def _fractions(codes: torch.Tensor, signed: bool, total: Dict[str, torch.Tensor]
 
 
 def report(states, telemetry: Optional[Telemetry]) -> dict:
-    """See the module doc. ``states`` are ``(tensor, QuantizedState, state names)`` of every 8-bit tensor,
-    each with its own rule's names; the totals are per state name. Reads every 8-bit state's codes once
+    """See the module doc. ``states`` are ``(tensor, QuantizedState, state names)`` of every quantized
+    tensor, each with its own rule's names; the totals are per state name. Reads every state's codes once
     (on a GPU: one transfer at the end)."""
     totals: Dict[str, dict] = {}
     params: List[dict] = []
@@ -89,12 +97,16 @@ def report(states, telemetry: Optional[Telemetry]) -> dict:
         sums = telemetry.sums.get(tensor) if telemetry is not None else None
         for name in names:
             totals.setdefault(name, {"n": 0, "at_zero": 0, "at_extreme": 0, "err": 0.0, "mag": 0.0, "zeroed": 0.0})
+        maps = None
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit:
                 continue
             entry = {"group": layout.group_index, "param": seg.param_index, "name": seg.name, "numel": seg.numel}
+            codes = qs.segment_codes(si)
+            if maps is None:
+                maps = qs.code_maps(codes[0].device)
             for i, name in enumerate(names):
-                stats = _fractions(qs.segment_codes(si, i), qs.signed[i], totals[name])
+                stats = _fractions(codes[i], maps[i], totals[name])
                 if sums is not None:
                     stats["err"], stats["mag"], stats["zeroed"] = sums[si, i, 0], sums[si, i, 1], sums[si, i, 2]
                     for key in ("err", "mag", "zeroed"):
