@@ -36,10 +36,11 @@ Exact rounding rule (kernels reproduce it bit for bit):
   maximum in the dynamic map). Rounded to nearest, a second moment below half of that would be
   stored as 0: its history wiped at every step, the element would step as if its gradient had just
   appeared, several times too far. Rounded up, it is at most the smallest entry: that element's step
-  can only shrink. Signed maps keep nearest rounding: a first moment rounded to 0 makes its step
-  shorter, and rounding it up to the smallest entry of its sign could make the step much longer.
+  can only shrink. Signed maps have no zero point: rounded to nearest, a first moment below half of
+  the smallest entry of its sign becomes 0, which makes its step shorter.
 
-Stochastic requantization (the optimizers' second moments, ``state_rounding="stochastic"``): with 32
+Stochastic requantization (every state of the optimizers by default, ``state_rounding="stochastic"``;
+the second moments only with ``"stochastic_unsigned"``): with 32
 random bits ``r`` per element, the value goes to one of the two entries around it, the upper one with
 probability equal to how far toward it the value lies, so that the stored state is right on average.
 From the nearest index ``n`` above: ``lo, hi = (n, n + 1)`` if ``y >= code[n]`` else ``(n - 1, n)``

@@ -17,7 +17,9 @@ many seeds ended worse than 32-bit's worst seed, a rank-sum test of the two sets
 Optimizers:
   torch        torch.optim.AdamW, 32-bit state
   ds_q8[:K+K]  ds_q8.AdamW8bitBlock (block 64, tensors under 4096 elements keep 32-bit state), with
-               changes K:  nearest  state_rounding="nearest" (second moments rounded to nearest)
+               changes K:  nearest  state_rounding="nearest" (every state rounded to nearest)
+                           srv      state_rounding="stochastic_unsigned" (first moments to nearest,
+                                    second moments stochastically: the earlier default)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
                            4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)
@@ -40,8 +42,8 @@ Optimizers:
                            nozp     no zero point: small second moments can become 0
                            m32      first moment in 32 bits       v32   second moment in 32 bits
                            neg1     a signed map whose most negative entry is -1.0, not -0.99297
-                           sr       stochastic requantization of both states (srm: the first moment
-                                    only, srv: the second moment only, as ds_q8 does)
+                           sr       stochastic requantization of both states, as ds_q8 does (srm:
+                                    the first moment only, srv: the second moment only, = ds_q8:srv)
                            bsN, emb32, jitter[K]  as for ds_q8
 ``--reference NAME`` (default torch) is the run the others are compared with, seed by seed; the
 table then also gives each run's weight drift from it (the relative L2 distance of the final weights).
@@ -76,7 +78,7 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN, jitter[K]
-DS_Q8_CHANGES = ("nearest", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN, jitter[K]
+DS_Q8_CHANGES = ("nearest", "srv", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN, jitter[K]
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
@@ -277,7 +279,8 @@ def make_optimizer(name: str, model, lr: float, seed: int):
                 setattr(p, OPTIM_BITS_ATTR, 32)
         masters = next((BF16_MASTERS[c] for c in changes if c in BF16_MASTERS), {})
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
-                                    state_rounding="nearest" if "nearest" in changes else "stochastic",
+                                    state_rounding=("nearest" if "nearest" in changes else "stochastic_unsigned"
+                                                    if "srv" in changes else "stochastic"),
                                     optim_bits=32 if "fp32" in changes else 4 if "4bit" in changes else 8,
                                     **masters)
     return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())
@@ -356,7 +359,7 @@ def _run(job):
 # ---------------------------------------------------------------- state drift
 def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
     """Train with torch's AdamW and feed every step's gradients into shadow copies of its two states kept
-    in ds_q8's format, rounded to nearest and stochastically as ds_q8 does (second moment only): per
+    in ds_q8's format, rounded to nearest and stochastically as ds_q8:srv does (second moment only): per
     weight matrix, the shadows' second moment against torch's (median ratio) and the update direction
     m / sqrt(v) they give against torch's (norm ratio, cosine), at the last step. The model follows
     torch's trajectory, so only the states' rounding differs."""

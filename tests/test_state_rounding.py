@@ -1,9 +1,10 @@
-"""Stochastic requantization of the unsigned states (second moments, Adagrad's sum): right on average,
-the same bits in every kernel as in the reference, nearest rounding on request, and parameter writes
+"""Stochastic requantization of the states (every state by default, the unsigned ones only or none on
+request): right on average, the same bits in every kernel as in the reference, and parameter writes
 untouched by it.
 
 Rounded to nearest, an exponential average that moves by less than half a code per step loses the
-move: Adam's second moment (beta2 = 0.999, 0.1% per step) then lags its fp32 value, and the steps grow.
+move: Adam's second moment (beta2 = 0.999, 0.1% per step) then lags its fp32 value, and the steps grow;
+its first moment lags a gradient that grows by a few percent a step.
 """
 import math
 
@@ -62,36 +63,59 @@ def test_stochastic_quantization_keeps_entries_zeros_and_the_zero_point():
     assert int(F.quantize_scaled(torch.tensor([float("nan")]), code, _bits(1, 1))) == 255
 
 
+def _average_against_fp32(signed: bool, beta: float, inputs) -> dict:
+    """An exponential average of ``inputs`` (one tensor a step, its element 0 the block maximum, held
+    still) kept in one 2048-element block, rounded to nearest and stochastically: each one's mean ratio
+    to the fp32 average over the other elements."""
+    n = bs = 2048
+    code = F.create_dynamic_map(signed)
+    avg32 = torch.zeros(n)
+    stored = {"nearest": torch.zeros(n), "stochastic": torch.zeros(n)}
+    for t, x in enumerate(inputs):
+        avg32 = beta * avg32 + (1 - beta) * x
+        for kind in stored:
+            a = beta * stored[kind] + (1 - beta) * x
+            am = F.block_absmax(a, bs)
+            bits = _bits(rounding.step_key(0, t + 1), n) if kind == "stochastic" else None
+            stored[kind] = F.dequantize_flat(F.quantize_with_absmax(a, am, code, bs, bits), am, code, bs)
+    return {kind: float((a / avg32)[1:].mean()) for kind, a in stored.items()}
+
+
+def _held_maximum(x: torch.Tensor) -> torch.Tensor:
+    x[0] = 1.0
+    return x
+
+
 def test_second_moment_tracks_its_fp32_value_only_when_rounded_stochastically():
     """A slowly growing gradient scale in a block whose maximum stays put: v's increments are below
     half a code per step. To nearest they are lost; stochastically v follows its fp32 value."""
-    n, bs, steps = 2048, 2048, 300
-    code = F.create_dynamic_map(False)
-    beta2 = 0.999
-    g_scale = torch.linspace(0.05, 0.3, n)
-    g_scale[0] = 1.0
-    v32 = torch.zeros(n)
-    stored = {"nearest": torch.zeros(n), "stochastic": torch.zeros(n)}
-    for t in range(steps):
-        g2 = (g_scale * (1 + t / steps)) ** 2
-        g2[0] = 1.0  # the block maximum holds still while the others grow
-        v32 = beta2 * v32 + (1 - beta2) * g2
-        for kind in stored:
-            v = beta2 * stored[kind] + (1 - beta2) * g2
-            am = F.block_absmax(v, bs)
-            bits = _bits(rounding.step_key(0, t + 1), n) if kind == "stochastic" else None
-            stored[kind] = F.dequantize_flat(F.quantize_with_absmax(v, am, code, bs, bits), am, code, bs)
-    ratio = {kind: float((v / v32)[1:].mean()) for kind, v in stored.items()}
+    steps, g_scale = 300, torch.linspace(0.05, 0.3, 2048)
+    ratio = _average_against_fp32(False, 0.999, (_held_maximum((g_scale * (1 + t / steps)) ** 2)
+                                                  for t in range(steps)))
     assert abs(ratio["stochastic"] - 1.0) < 0.02, ratio
     assert abs(ratio["nearest"] - 1.0) > 0.1, ratio  # the bias the stochastic rounding removes
 
 
-def test_only_unsigned_states_are_rounded_stochastically_and_nearest_is_an_option():
+def test_first_moment_follows_a_growing_gradient_only_when_rounded_stochastically():
+    """A gradient that grows by 2% a step, as the weights that leave a plateau see theirs grow, in a
+    block whose maximum stays put: with beta1 = 0.9 the first moment's increments stay below half a
+    code. To nearest it stalls behind its fp32 value (those weights leave the plateau later);
+    stochastically it follows it."""
+    g0 = torch.linspace(0.01, 0.2, 2048) * torch.where(torch.arange(2048) % 2 == 0, 1.0, -1.0)
+    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * 1.02 ** t) for t in range(60)))
+    assert abs(ratio["stochastic"] - 1.0) < 0.01, ratio
+    assert abs(ratio["nearest"] - 1.0) > 0.03, ratio  # the lag the stochastic rounding removes
+
+
+def test_every_state_is_rounded_stochastically_unless_the_group_asks_otherwise():
     p = torch.nn.Parameter(torch.zeros(8))
     for cls, kw in ((ds_q8.AdamW8bitBlock, {}), (ds_q8.RMSprop8bitBlock, dict(momentum=0.9)),
                     (ds_q8.Momentum8bitBlock, dict(momentum=0.9)), (ds_q8.Lion8bitBlock, {})):
         opt = cls([p], **kw)
-        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in opt.rule_for(opt.param_groups[0]).state_signed)
+        signed = opt.rule_for(opt.param_groups[0]).state_signed
+        assert opt.stochastic_states(opt.param_groups[0]) == (True,) * len(signed)
+        opt = cls([p], state_rounding="stochastic_unsigned", **kw)
+        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in signed)
         opt = cls([p], state_rounding="nearest", **kw)
         assert not any(opt.stochastic_states(opt.param_groups[0]))
     with pytest.raises(ValueError, match="state_rounding must be one of"):
@@ -109,8 +133,9 @@ def test_stochastic_state_rounding_kernels_match_the_reference(isa, rule, n, blo
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nearest_state_rounding_kernels_match_the_reference(isa, dtype):
-    kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(state_rounding="nearest"), 3 * 256 + 7, dtype, steps=4,
+@pytest.mark.parametrize("choice", ["nearest", "stochastic_unsigned"])
+def test_other_state_roundings_kernels_match_the_reference(isa, dtype, choice):
+    kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(state_rounding=choice), 3 * 256 + 7, dtype, steps=4,
                                  block_size=256)
     assert_same_run(kernel, reference)
 

@@ -23,8 +23,9 @@ OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT
                quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
                correction_byte=False, impl="auto", nonfinite="skip")
 QUANTIZATIONS = ("dynamic", "linear")
-#: how the unsigned states (second moments) are requantized after each step
-STATE_ROUNDINGS = ("stochastic", "nearest")
+#: how the states are requantized after each step: every state stochastically, only the unsigned ones
+#: (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
+STATE_ROUNDINGS = ("stochastic", "stochastic_unsigned", "nearest")
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
@@ -59,8 +60,9 @@ def check_common_group(group: dict) -> None:
                          "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
                          "null or false)")
     if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
-        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how second moments are requantized: "
-                         f"right on average, or to the nearest code), got {group.get('state_rounding')!r}")
+        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how the states are requantized: every "
+                         f"state right on average, only the second moments, or every state to the nearest code), "
+                         f"got {group.get('state_rounding')!r}")
     impl = group.get("impl", "auto")
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} (kernels with the reference as fallback, kernels or an error, "
@@ -117,16 +119,22 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
 
 
 def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
-    """Which states are requantized with stochastic rounding: the unsigned ones (second moments,
-    Adagrad's sum) unless the group asks for ``state_rounding="nearest"``.
+    """Which states are requantized with stochastic rounding: every one by default
+    (``state_rounding="stochastic"``), the unsigned ones only (second moments, Adagrad's sum:
+    ``"stochastic_unsigned"``), or none (``"nearest"``).
 
-    Rounded to nearest, an exponential average that moves by less than half a code per step (a
-    second moment with beta2=0.999 moves by 0.1%) loses those moves: it lags its fp32 value, by half
-    on a GPT-2 attention matrix after 300 steps, and the steps grow by as much as 1.6x. Rounded
-    stochastically it is right on average."""
-    if group.get("state_rounding", "stochastic") != "stochastic":
-        return (False,) * len(signed)
-    return tuple(not s for s in signed)
+    Rounded to nearest, an exponential average that moves by less than half a code per step loses
+    those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by
+    half on a GPT-2 attention matrix after 300 steps, and the steps grow by as much as 1.6x. A first
+    moment (beta1 = 0.9) lags a gradient that grows by less than about a third of itself a step, as
+    the weights that leave a plateau see theirs do, so they leave it later. Rounded stochastically,
+    each is right on average."""
+    choice = group.get("state_rounding", "stochastic")
+    if choice == "stochastic":
+        return (True,) * len(signed)
+    if choice == "stochastic_unsigned":
+        return tuple(not s for s in signed)
+    return (False,) * len(signed)
 
 
 def maps_of(rule: Rule, group: dict, device) -> List[torch.Tensor]:
