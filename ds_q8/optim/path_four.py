@@ -9,7 +9,8 @@ which is their specification bit for bit. The parts of blocks that partition edg
 by the reference, and their maxima agreed across ranks before they are coded
 (``four_bit.agreed_write``), so a parameter's codes are those of the unsharded optimizer at every ZeRO
 stage and world size. A tensor whose requantization error telemetry measures at this step
-(``optim/telemetry.py``) takes the reference, which adds it up as it codes. Parameters are read and written as every path does (``path_reference.py``).
+(``optim/telemetry.py``) takes the reference, which adds it up as it codes. Parameters are read and
+written as every path does (``path_reference.py``).
 """
 from __future__ import annotations
 

@@ -71,12 +71,18 @@ def add_error(sums: Optional[torch.Tensor], k: int, requantized: torch.Tensor, x
     sums[k, 2] += ((requantized == 0) & (x != 0)).sum().double()
 
 
-def _fractions(codes: torch.Tensor, code_map: torch.Tensor, total: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """How many of ``codes`` sit at ``code_map``'s zero (none where the map has no zero) and at its ends
-    (both ends of a map with negative entries, the top of one without)."""
+def _landmarks(code_map: torch.Tensor) -> tuple:
+    """The codes at ``code_map``'s zero (none where the map has no zero) and at its ends (both ends of a
+    map with negative entries, the top of one without), as index tensors."""
     zero = (code_map == 0).nonzero().flatten()
-    top = (code_map == code_map.max()).nonzero().flatten()
-    ends = torch.cat([top, (code_map == code_map.min()).nonzero().flatten()]) if bool(code_map.min() < 0) else top
+    ends = (code_map == code_map.max()).nonzero().flatten()
+    if bool(code_map.min() < 0):
+        ends = torch.cat([ends, (code_map == code_map.min()).nonzero().flatten()])
+    return zero, ends
+
+
+def _fractions(codes: torch.Tensor, landmarks: tuple, total: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    zero, ends = landmarks
     c = codes.to(torch.int64)
     at_zero = torch.isin(c, zero.to(c.device)).sum()
     at_extreme = torch.isin(c, ends.to(c.device)).sum()
@@ -97,16 +103,14 @@ def report(states, telemetry: Optional[Telemetry]) -> dict:
         sums = telemetry.sums.get(tensor) if telemetry is not None else None
         for name in names:
             totals.setdefault(name, {"n": 0, "at_zero": 0, "at_extreme": 0, "err": 0.0, "mag": 0.0, "zeroed": 0.0})
-        maps = None
+        landmarks = [_landmarks(m) for m in qs.code_maps("cpu")]  # once a tensor, on the host: no device sync
         for si, seg in enumerate(layout.segments):
             if not seg.eight_bit:
                 continue
             entry = {"group": layout.group_index, "param": seg.param_index, "name": seg.name, "numel": seg.numel}
             codes = qs.segment_codes(si)
-            if maps is None:
-                maps = qs.code_maps(codes[0].device)
             for i, name in enumerate(names):
-                stats = _fractions(codes[i], maps[i], totals[name])
+                stats = _fractions(codes[i], landmarks[i], totals[name])
                 if sums is not None:
                     stats["err"], stats["mag"], stats["zeroed"] = sums[si, i, 0], sums[si, i, 1], sums[si, i, 2]
                     for key in ("err", "mag", "zeroed"):
