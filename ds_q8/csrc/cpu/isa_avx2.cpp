@@ -11,6 +11,7 @@
 
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"
+#include "q8_floormap.h"
 
 namespace ds_q8 {
 namespace {
@@ -168,19 +169,72 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         }
     }
 
-    static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
-        const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-        __m256 y = _mm256_mul_ps(x.v, _mm256_set1_ps(scale));
-        __m256i u = _mm256_castps_si256(y);
-        __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u));
-        __m256i key = _mm256_xor_si256(u, flip);
+    // (entry + low16(key)) >> 16 of 8 scaled values: their nearest codes by a q8_build_lookup table,
+    // their floor indices by a FloorMap's.
+    static __m256i lookup_count(__m256 y, const uint32_t* lookup) {
+        const __m256i u = _mm256_castps_si256(y);
+        const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u));
+        const __m256i key = _mm256_xor_si256(u, flip);
         __m256i hi = _mm256_srli_epi32(key, 16);
         hi = _mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh));
-        __m256i entry = _mm256_i32gather_epi32((const int*)lookup - kLookupLow, hi, 4);
-        __m256i idx = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, low16)), 16);
-        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q));
-        idx = _mm256_blendv_epi8(idx, _mm256_set1_epi32(255), nan);
-        store_bytes(out, idx, cnt);
+        const __m256i entry = _mm256_i32gather_epi32((const int*)lookup - kLookupLow, hi, 4);
+        return _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF))), 16);
+    }
+
+    static __m256i nan_to_top(__m256i idx, __m256 y) {
+        return _mm256_blendv_epi8(idx, _mm256_set1_epi32(255), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+    }
+
+    static void quantize(uint8_t* out, V x, float scale, const uint32_t* lookup, int cnt) {
+        const __m256 y = _mm256_mul_ps(x.v, _mm256_set1_ps(scale));
+        store_bytes(out, nan_to_top(lookup_count(y, lookup), y), cnt);
+    }
+
+    // q8_round_stochastic of 8 scaled values by the floor tables (q8_floormap.h): the floor index F
+    // (at most 254), then entries F and F + 1 by two 64-bit gathers of 4 pairs each.
+    static __m256i round_by_floor(__m256 y, const FloorMap& fm, __m256i r, bool unsigned_map) {
+        const __m256i one = _mm256_set1_epi32(1);
+        const __m256i lo = _mm256_min_epi32(lookup_count(y, fm.lookup), _mm256_set1_epi32(254));
+        const double* pairs = (const double*)&fm.pair[0][0];
+        const __m256 a = _mm256_castpd_ps(_mm256_i32gather_pd(pairs, _mm256_castsi256_si128(lo), 8));
+        const __m256 b = _mm256_castpd_ps(_mm256_i32gather_pd(pairs, _mm256_extracti128_si256(lo, 1), 8));
+        // a = (lo0 hi0 lo1 hi1 | lo2 hi2 lo3 hi3), b likewise for values 4..7: unzip, then put the
+        // 64-bit quarters (values 0-1, 4-5, 2-3, 6-7) in order
+        const __m256 c_lo = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0))), _MM_SHUFFLE(3, 1, 2, 0)));
+        const __m256 c_hi = _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1))), _MM_SHUFFLE(3, 1, 2, 0)));
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+        const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
+        __m256i idx = _mm256_add_epi32(lo, _mm256_and_si256(_mm256_castps_si256(pick), one));
+        if (unsigned_map)  // the zero point
+            idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)), one));
+        return nan_to_top(idx, y);
+    }
+
+    // Blocks of bs values, block j scaled by 1 / absmax[j]. Stochastic requantization with floor tables
+    // takes one pass and no nearest codes; otherwise the shared two passes (the nearest codes, then
+    // round_block_stochastic).
+    static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
+                                  const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        if (!sr || !sr->floor) {
+            PerVectorBlocks<Avx2>::requantize_blocks(out, x, len, absmax, bs, lookup, fast, sr);
+            return;
+        }
+        const FloorMap& fm = *sr->floor;
+        const bool unsigned_map = sr->code[0] == 0.0f;
+        const __m256i key = _mm256_set1_epi32((int)sr->key);
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
+            const int blen = len - b0 < bs ? len - b0 : bs;
+            const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax[j]));
+            for (int i = 0; i < blen; i += W) {
+                const __m256 y = _mm256_mul_ps(_mm256_load_ps(x + b0 + i), vscale);
+                const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(sr->first + (uint32_t)(b0 + i))), iota);
+                const __m256i r = mix32(_mm256_xor_si256(index, key));
+                store_bytes(out + b0 + i, round_by_floor(y, fm, r, unsigned_map), blen - i < W ? blen - i : W);
+            }
+        }
     }
 };
 

@@ -15,6 +15,7 @@
 #include "q8_common.h"
 #include "q8_cpu_api.h"
 #include "q8_fastmap.h"
+#include "q8_floormap.h"
 
 namespace ds_q8 {
 namespace {
@@ -62,13 +63,14 @@ void check_map(const torch::Tensor& code, const torch::Tensor& lookup) {
     binding::check_lookup(lookup);
 }
 
-// The segment tables of a map (q8_fastmap.h), built once per distinct map and kept for the life of
-// the process; null when the map has no such structure.
-const FastMap* fast_map_for(const torch::Tensor& code) {
+// Tables derived from a map (T: FastMap, q8_fastmap.h; FloorMap, q8_floormap.h), built once per distinct
+// map and kept for the life of the process; null when the map has no such structure.
+template <class T, bool (*Build)(const float*, T*)>
+const T* tables_for(const torch::Tensor& code) {
     struct Entry {
         std::array<uint32_t, 256> bits;
         bool ok;
-        FastMap map;
+        T map;
     };
     static std::mutex mu;
     static std::deque<Entry> cache;  // a deque keeps addresses stable as it grows
@@ -83,9 +85,12 @@ const FastMap* fast_map_for(const torch::Tensor& code) {
     cache.emplace_back();
     Entry& e = cache.back();
     e.bits = key;
-    e.ok = q8_build_fastmap(code.data_ptr<float>(), &e.map);
+    e.ok = Build(code.data_ptr<float>(), &e.map);
     return e.ok ? &e.map : nullptr;
 }
+
+const FastMap* fast_map_for(const torch::Tensor& code) { return tables_for<FastMap, q8_build_fastmap>(code); }
+const FloorMap* floor_map_for(const torch::Tensor& code) { return tables_for<FloorMap, q8_build_floormap>(code); }
 
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
                  const char* name) {
@@ -100,6 +105,7 @@ struct StepMaps {
     const float* code[Q8_MAX_STATES];
     const uint32_t* lookup[Q8_MAX_STATES];
     const FastMap* fast[Q8_MAX_STATES];
+    const FloorMap* floor[Q8_MAX_STATES];
 };
 
 StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<torch::Tensor>& lookups) {
@@ -113,6 +119,7 @@ StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<tor
         m.code[i] = maps[i].data_ptr<float>();
         m.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
         m.fast[i] = fast_map_for(maps[i]);
+        m.floor[i] = floor_map_for(maps[i]);
     }
     return m;
 }
@@ -167,6 +174,7 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
         a.code[i] = maps.code[i];
         a.lookup[i] = maps.lookup[i];
         a.fast[i] = maps.fast[i];
+        a.floor[i] = maps.floor[i];
     }
     return a;
 }

@@ -9,7 +9,8 @@
 
 namespace ds_q8 {
 
-struct FastMap;  // q8_fastmap.h
+struct FastMap;   // q8_fastmap.h
+struct FloorMap;  // q8_floormap.h
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -30,6 +31,7 @@ struct StepArgs {
     const float* code[Q8_MAX_STATES];      // the 256-entry map of each state
     const uint32_t* lookup[Q8_MAX_STATES]; // q8_build_lookup table of each map
     const FastMap* fast[Q8_MAX_STATES];    // its segment tables, or null (q8_build_fastmap)
+    const FloorMap* floor[Q8_MAX_STATES];  // its floor tables, or null (q8_build_floormap)
     int num_states;            // 1 to Q8_MAX_STATES: must be the rule's
     bool fp32_states;          // states are float32 (below): no codes, maps or absmax
     float* states32[Q8_MAX_STATES];

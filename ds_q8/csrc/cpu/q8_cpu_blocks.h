@@ -11,18 +11,21 @@
 
 namespace ds_q8 {
 
-struct FastMap;  // q8_fastmap.h: the segment search of the AVX-512 and scalar drivers
+struct FastMap;   // q8_fastmap.h: the segment search of the AVX-512 and scalar drivers
+struct FloorMap;  // q8_floormap.h: the AVX2 driver's two entries around a value
 
 namespace {
 
 // Stochastic requantization of a call's values (q8_round_stochastic): the map as the instruction set
-// prepared it, the map itself, the state's key and the index of the call's first value in its parameter.
+// prepared it, the map itself, the state's key, the index of the call's first value in its parameter,
+// and the map's floor tables (null when the map has none).
 template <class Table>
 struct Stochastic {
     const Table* table;
     const float* code;
     uint32_t key;
     uint32_t first;
+    const FloorMap* floor;
 };
 
 template <class Self>

@@ -230,7 +230,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
             for (int k = 0; k < K; ++k) {
                 uint8_t* codes = a.codes[k] + start;
                 const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
-                                                       (uint32_t)(a.sr_index + start)};
+                                                       (uint32_t)(a.sr_index + start), a.floor[k]};
                 I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
                                      a.stochastic_states[k] ? &sr : nullptr);
                 if (a.error_sums) {  // quantization telemetry (optim/telemetry.py): off by default

@@ -307,36 +307,46 @@ Q8_HOST inline int q8_count_below(const float* mid, float v) {
     return c;
 }
 
-// Fill `lookup` (kLookupSize entries) for a sorted 256-entry map. Returns false when the map is
-// too dense for one comparison per bucket or has midpoints outside (-2, 2).
-Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
-    float mid[255];
+// Fill `lookup` (kLookupSize entries) so that it counts the thresholds thr[0..255) below a value:
+// (entry + low16(key)) >> 16 = #{i : thr[i] < y}. Returns false when the thresholds are unsorted,
+// outside (-2, 2) or too dense for one comparison per bucket.
+Q8_HOST inline bool q8_build_thresholds(const float* thr, uint32_t* lookup) {
     for (int i = 0; i < 255; ++i) {
-        mid[i] = (code[i] + code[i + 1]) * 0.5f;
-        if (i == 0 && code[0] == 0.0f) mid[0] = 0.0f;  // the zero-point rule
-        if (!(mid[i] > -2.0f && mid[i] < 2.0f)) return false;
-        if (i > 0 && mid[i] < mid[i - 1]) return false;
+        if (!(thr[i] > -2.0f && thr[i] < 2.0f)) return false;
+        if (i > 0 && thr[i] < thr[i - 1]) return false;
     }
-    lookup[0] = 0;                               // index 0, no midpoint above
+    lookup[0] = 0;                               // index 0, no threshold above
     lookup[kLookupSize - 1] = 255u << 16;
     for (int hi = kLookupLow + 1; hi < kLookupHigh; ++hi) {
         uint32_t key_lo = (uint32_t)hi << 16, key_hi = key_lo | 0xFFFFu;
         auto value = [](uint32_t key) {
             return q8_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
         };
-        int lo = q8_count_below(mid, value(key_lo));
-        int top = q8_count_below(mid, value(key_hi));
-        uint32_t thr = 0xFFFFu;
+        int lo = q8_count_below(thr, value(key_lo));
+        int top = q8_count_below(thr, value(key_hi));
+        uint32_t cut = 0xFFFFu;
         if (top - lo > 1) return false;
         if (top - lo == 1) {
-            float m = mid[lo] == 0.0f ? 0.0f : mid[lo];   // -0.0 compares like +0.0
+            float m = thr[lo] == 0.0f ? 0.0f : thr[lo];   // -0.0 compares like +0.0
             uint32_t k = q8_key(m);
             if ((int)(k >> 16) != hi) return false;
-            thr = k & 0xFFFFu;
+            cut = k & 0xFFFFu;
         }
-        lookup[hi - kLookupLow] = ((uint32_t)lo << 16) + (0xFFFFu - thr);
+        lookup[hi - kLookupLow] = ((uint32_t)lo << 16) + (0xFFFFu - cut);
     }
     return true;
+}
+
+// Fill `lookup` (kLookupSize entries) for a sorted 256-entry map: the count of its midpoints below a
+// value, its nearest code. Returns false when the map is too dense for one comparison per bucket or
+// has midpoints outside (-2, 2).
+Q8_HOST inline bool q8_build_lookup(const float* code, uint32_t* lookup) {
+    float mid[255];
+    for (int i = 0; i < 255; ++i) {
+        mid[i] = (code[i] + code[i + 1]) * 0.5f;
+        if (i == 0 && code[0] == 0.0f) mid[0] = 0.0f;  // the zero-point rule
+    }
+    return q8_build_thresholds(mid, lookup);
 }
 
 // ------------------------------------------------------------------ 4-bit Adam state (ds_q8/format4.py)
