@@ -170,19 +170,22 @@ def _edge_values(code: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_stochastic_state_rounding_kernels_match_the_reference_at_the_maps_edges(isa):
+@pytest.mark.parametrize("quantization", ["dynamic", "linear"])
+def test_stochastic_state_rounding_kernels_match_the_reference_at_the_maps_edges(isa, quantization):
     """Adam with betas (0, 0) stores m = g and v = g^2; a block maximum of 1 makes the scaled values g
     and g^2 themselves, so the first moment lands on the signed map's entries, midpoints and their
     neighbours exactly, and the second moment (g the square roots of the unsigned map's) right beside
     the unsigned map's."""
     block = 256
-    signed = _edge_values(F.create_dynamic_map(True)).clamp(-1.0, 1.0)
-    unsigned = _edge_values(F.create_dynamic_map(False)).clamp(0.0, 1.0).sqrt()
+    create = F.create_dynamic_map if quantization == "dynamic" else F.create_linear_map
+    signed = _edge_values(create(True)).clamp(-1.0, 1.0)
+    unsigned = _edge_values(create(False)).clamp(0.0, 1.0).sqrt()
     values = torch.cat([signed, unsigned, -unsigned])
     per_block = block - 1
     blocks = -(-values.numel() // per_block)
     body = torch.cat([values, torch.zeros(blocks * per_block - values.numel())]).view(blocks, per_block)
     g = torch.cat([torch.ones(blocks, 1), body], dim=1).view(-1)  # 1: each block's maximum
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(betas=(0.0, 0.0), weight_decay=0.0), g.numel(),
-                                 torch.float32, steps=3, block_size=block, grads=[g, g.flip(0), g])
+                                 torch.float32, steps=3, block_size=block, quantization=quantization,
+                                 grads=[g, g.flip(0), g])
     assert_same_run(kernel, reference)
