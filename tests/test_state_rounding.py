@@ -177,9 +177,8 @@ def test_stochastic_state_rounding_kernels_match_the_reference_at_the_maps_edges
     neighbours exactly, and the second moment (g the square roots of the unsigned map's) right beside
     the unsigned map's."""
     block = 256
-    create = F.create_dynamic_map if quantization == "dynamic" else F.create_linear_map
-    signed = _edge_values(create(True)).clamp(-1.0, 1.0)
-    unsigned = _edge_values(create(False)).clamp(0.0, 1.0).sqrt()
+    signed = _edge_values(F.state_map(quantization, True, "cpu")).clamp(-1.0, 1.0)
+    unsigned = _edge_values(F.state_map(quantization, False, "cpu")).clamp(0.0, 1.0).sqrt()
     values = torch.cat([signed, unsigned, -unsigned])
     per_block = block - 1
     blocks = -(-values.numel() // per_block)
