@@ -113,16 +113,6 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         return _mm256_setr_epi32((int)table[(uint32_t)l0], (int)table[l0 >> 32], (int)table[(uint32_t)l1], (int)table[l1 >> 32],
                                  (int)table[(uint32_t)h0], (int)table[h0 >> 32], (int)table[(uint32_t)h1], (int)table[h1 >> 32]);
     }
-    // The pairs (table[idx[k]] of 64 bits) of values 0, 1, 4, 5 in *a and of 2, 3, 6, 7 in *b, so that
-    // the even and the odd floats of a and b together (shufps) come out in the values' order.
-    static void read_pairs(const double* table, __m256i idx, __m256* a, __m256* b) {
-        const __m128i l = _mm256_castsi256_si128(idx), h = _mm256_extracti128_si256(idx, 1);
-        const uint64_t l0 = (uint64_t)_mm_cvtsi128_si64(l), l1 = (uint64_t)_mm_extract_epi64(l, 1);
-        const uint64_t h0 = (uint64_t)_mm_cvtsi128_si64(h), h1 = (uint64_t)_mm_extract_epi64(h, 1);
-        *a = _mm256_castpd_ps(_mm256_setr_pd(table[(uint32_t)l0], table[l0 >> 32], table[(uint32_t)h0], table[h0 >> 32]));
-        *b = _mm256_castpd_ps(_mm256_setr_pd(table[(uint32_t)l1], table[l1 >> 32], table[(uint32_t)h1], table[h1 >> 32]));
-    }
-
     static V dequant(const uint8_t* c, int cnt, const float* code, float absmax) {
         uint8_t b[8];
         uint64_t w;
@@ -216,15 +206,35 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         store_bytes(out, nan_to_top(lookup_count(y, lookup), y), cnt);
     }
 
-    // q8_round_stochastic of 8 scaled values by the floor tables (q8_floormap.h): the floor index F
-    // (at most 254), then entries F and F + 1 by one 64-bit read each.
+    // q8_round_stochastic of 8 scaled values by the floor tables (q8_floormap.h): one row each, read
+    // whole and transposed, gives the floor index F (at most 254) and entries F and F + 1.
     static __m256i round_by_floor(__m256 y, const FloorMap& fm, __m256i r, bool unsigned_map) {
         const __m256i one = _mm256_set1_epi32(1);
-        const __m256i lo = _mm256_min_epi32(lookup_count(y, fm.lookup), _mm256_set1_epi32(254));
-        __m256 a, b;
-        read_pairs((const double*)&fm.pair[0][0], lo, &a, &b);
-        const __m256 c_lo = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-        const __m256 c_hi = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+        const __m256i bits = _mm256_castps_si256(y);
+        const __m256i key = _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32((int)0x80000000u)));
+        __m256i hi = _mm256_srli_epi32(key, 16);
+        hi = _mm256_sub_epi32(_mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh)),
+                              _mm256_set1_epi32(kLookupLow));
+        const __m128i hl = _mm256_castsi256_si128(hi), hh = _mm256_extracti128_si256(hi, 1);
+        const uint64_t l0 = (uint64_t)_mm_cvtsi128_si64(hl), l1 = (uint64_t)_mm_extract_epi64(hl, 1);
+        const uint64_t h0 = (uint64_t)_mm_cvtsi128_si64(hh), h1 = (uint64_t)_mm_extract_epi64(hh, 1);
+        const float* rows = (const float*)&fm.row[0];
+        auto row = [rows](uint64_t i) { return _mm_loadu_ps(rows + 4 * i); };
+        // rows of values k and k + 4 side by side, then a 4x4 transpose within each half
+        const __m256 v0 = _mm256_insertf128_ps(_mm256_castps128_ps256(row((uint32_t)l0)), row((uint32_t)h0), 1);
+        const __m256 v1 = _mm256_insertf128_ps(_mm256_castps128_ps256(row(l0 >> 32)), row(h0 >> 32), 1);
+        const __m256 v2 = _mm256_insertf128_ps(_mm256_castps128_ps256(row((uint32_t)l1)), row((uint32_t)h1), 1);
+        const __m256 v3 = _mm256_insertf128_ps(_mm256_castps128_ps256(row(l1 >> 32)), row(h1 >> 32), 1);
+        const __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
+        const __m256 t2 = _mm256_unpacklo_ps(v2, v3), t3 = _mm256_unpackhi_ps(v2, v3);
+        const __m256i entry = _mm256_castps_si256(_mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+        const __m256 c0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256 c1 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
+        const __m256 c2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
+        const __m256i lo = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF))), 16);
+        const __m256 carry = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lo, _mm256_srli_epi32(entry, 16)));
+        const __m256 c_lo = _mm256_blendv_ps(c0, c1, carry);
+        const __m256 c_hi = _mm256_blendv_ps(c1, c2, carry);
         const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
         const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
         __m256i idx = _mm256_add_epi32(lo, _mm256_and_si256(_mm256_castps_si256(pick), one));

@@ -7,8 +7,8 @@
 // (0, 1) or (254, 255) gives the reference's result too: below code[0], y - code[0] < 0 keeps 0; at or
 // above code[255], y - code[254] is at least the gap, which u * gap (u < 1) never reaches, so 255.
 // F comes from a lookup table like the nearest code's, built on the thresholds "just below each entry"
-// (the next float down, so that "threshold < y" is "entry <= y"), and both entries from one 64-bit
-// read of a table of neighbouring pairs. q8_build_floormap refuses maps where the premise fails; the
+// (the next float down, so that "threshold < y" is "entry <= y"), whose rows also carry the entries
+// that F can point to there. q8_build_floormap refuses maps where the premise fails; the
 // two-step search serves them.
 #pragma once
 
@@ -19,9 +19,19 @@
 
 namespace ds_q8 {
 
+// One row per bucket of the lookup table (the value's sign, exponent and top 7 mantissa bits): the
+// bucket's count entry, F = (entry + low 16 bits of the key) >> 16 at most 254, and the three map
+// entries that F's pair can take there, code[lo], code[lo + 1], code[lo + 2] (lo = entry >> 16): a
+// bucket holds at most one threshold, so F is lo or lo + 1 and the pair (c[0], c[1]) or (c[1], c[2]).
+// One 16-byte read gives a value everything its rounding needs; the table is 512 KiB a map, built once
+// per distinct map, of which a step touches the rows of the exponents its values have.
+struct FloorRow {
+    uint32_t entry;
+    float c[3];
+};
+
 struct FloorMap {
-    uint32_t lookup[kLookupSize];  // q8_build_thresholds of the entries' next floats down: F
-    float pair[255][2];            // (code[f], code[f + 1])
+    FloorRow row[kLookupSize];
 };
 
 // static: a file compiled for another instruction set gets its own copy
@@ -33,12 +43,19 @@ static inline bool q8_build_floormap(const float* code, FloorMap* out) {
         if (!(code[i] < code[i + 1]) || (!zero_point && !(code[i] < mid && mid < code[i + 1]))) return false;
         below[i] = nextafterf(code[i + 1], -INFINITY);
     }
-    if (!q8_build_thresholds(below, out->lookup)) return false;
-    for (int f = 0; f < 255; ++f) {
-        out->pair[f][0] = code[f];
-        out->pair[f][1] = code[f + 1];
+    uint32_t* lookup = new uint32_t[kLookupSize];
+    const bool ok = q8_build_thresholds(below, lookup);
+    for (int i = 0; ok && i < kLookupSize; ++i) {
+        uint32_t entry = lookup[i];
+        // F is at most 254 (the pair (254, 255) serves every value at or above code[254]): a bucket
+        // whose count reaches 254 gives 254 and never carries
+        if ((entry >> 16) >= 254) entry = 254u << 16;
+        const int lo = (int)(entry >> 16);
+        out->row[i].entry = entry;
+        for (int k = 0; k < 3; ++k) out->row[i].c[k] = code[lo + k < 255 ? lo + k : 255];
     }
-    return true;
+    delete[] lookup;
+    return ok;
 }
 
 }  // namespace ds_q8
