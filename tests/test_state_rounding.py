@@ -179,12 +179,32 @@ def test_stochastic_state_rounding_kernels_match_the_reference_at_the_maps_edges
     block = 256
     signed = _edge_values(F.state_map(quantization, True, "cpu")).clamp(-1.0, 1.0)
     unsigned = _edge_values(F.state_map(quantization, False, "cpu")).clamp(0.0, 1.0).sqrt()
-    values = torch.cat([signed, unsigned, -unsigned])
-    per_block = block - 1
-    blocks = -(-values.numel() // per_block)
-    body = torch.cat([values, torch.zeros(blocks * per_block - values.numel())]).view(blocks, per_block)
-    g = torch.cat([torch.ones(blocks, 1), body], dim=1).view(-1)  # 1: each block's maximum
+    g = _unit_max_blocks(torch.cat([signed, unsigned, -unsigned]), block)
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(betas=(0.0, 0.0), weight_decay=0.0), g.numel(),
                                  torch.float32, steps=3, block_size=block, quantization=quantization,
                                  grads=[g, g.flip(0), g])
+    assert_same_run(kernel, reference)
+
+
+def _unit_max_blocks(values: torch.Tensor, block: int) -> torch.Tensor:
+    """The values in blocks led by a 1 (each block's maximum), so that they are their own scaled values."""
+    per_block = block - 1
+    blocks = -(-values.numel() // per_block)
+    body = torch.cat([values, torch.zeros(blocks * per_block - values.numel())]).view(blocks, per_block)
+    return torch.cat([torch.ones(blocks, 1), body], dim=1).view(-1)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_stochastic_state_rounding_kernels_match_the_reference_on_a_map_without_floor_tables(isa, monkeypatch):
+    """A map with two neighbouring floats as entries has a midpoint that is one of them, so the AVX2
+    kernel cannot build its floor tables (q8_floormap.h) for it and rounds from the nearest codes, its
+    two-pass path. The map goes in where every state's map comes from, for kernel and reference alike."""
+    code = F.create_dynamic_map(True)
+    k = 143  # 0.00128 between 0.00094 and 0.00184: the entry's table bucket holds no other midpoint
+    code[k + 1] = torch.nextafter(code[k], torch.tensor(1.0))
+    assert code[k + 1] < code[k + 2]
+    monkeypatch.setitem(F._device_maps, ("dynamic", True, "cpu"), code)
+    g = _unit_max_blocks(_edge_values(code).clamp(-1.0, 1.0), 256)
+    kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(betas=(0.0, 0.0), weight_decay=0.0), g.numel(),
+                                 torch.float32, steps=3, block_size=256, grads=[g, g.flip(0), g])
     assert_same_run(kernel, reference)
