@@ -153,6 +153,19 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
     }
 
+    // q8_round_stochastic's choice for 8 values between entries c_lo <= y and c_hi: the upper one where
+    // u * (c_hi - c_lo) < y - c_lo, u from the top 24 bits of the hash r; then the unsigned map's zero
+    // point (a positive value never takes code 0) and NaN to the top code.
+    static __m256i pick_entry(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256i r, bool unsigned_map) {
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+        const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
+        __m256i idx = _mm256_blendv_epi8(lo, hi, _mm256_castps_si256(pick));
+        if (unsigned_map)
+            idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)),
+                                                         _mm256_set1_epi32(1)));
+        return nan_to_top(idx, y);
+    }
+
     // q8_round_stochastic on 8 values at a time: the two map entries around each by gathers.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table,
                                        const float* code, uint32_t key, uint32_t first) {
@@ -175,26 +188,31 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
             const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
             const __m256i r = mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
-            const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
-            const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
-            __m256i idx = _mm256_blendv_epi8(lo, hi, _mm256_castps_si256(pick));
-            if (unsigned_map)  // the zero point
-                idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)), one));
-            idx = _mm256_blendv_epi8(idx, top, _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
-            store_bytes(codes + i, idx, cnt);
+            store_bytes(codes + i, pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map), cnt);
         }
     }
 
-    // (entry + low16(key)) >> 16 of 8 scaled values: their nearest codes by a q8_build_lookup table,
-    // their floor indices by a FloorMap's.
-    static __m256i lookup_count(__m256 y, const uint32_t* lookup) {
+    // The lookup tables' key of 8 floats (their bits with the sign folded, so that unsigned order is
+    // float order) and its bucket (the top 16 bits clamped to the tables' range, counted from 0).
+    static __m256i lookup_key(__m256 y) {
         const __m256i u = _mm256_castps_si256(y);
-        const __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u));
-        const __m256i key = _mm256_xor_si256(u, flip);
-        __m256i hi = _mm256_srli_epi32(key, 16);
-        hi = _mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh));
-        const __m256i entry = read8(lookup - kLookupLow, hi);
+        return _mm256_xor_si256(u, _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u)));
+    }
+    static __m256i lookup_bucket(__m256i key) {
+        const __m256i hi = _mm256_srli_epi32(key, 16);
+        return _mm256_sub_epi32(_mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh)),
+                                _mm256_set1_epi32(kLookupLow));
+    }
+    // (entry + low16(key)) >> 16: a bucket's count entry plus the key's low half carries into the count
+    // of thresholds at or below the value.
+    static __m256i bucket_count(__m256i entry, __m256i key) {
         return _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF))), 16);
+    }
+
+    // The nearest codes of 8 scaled values by a q8_build_lookup table.
+    static __m256i lookup_count(__m256 y, const uint32_t* lookup) {
+        const __m256i key = lookup_key(y);
+        return bucket_count(read8(lookup, lookup_bucket(key)), key);
     }
 
     static __m256i nan_to_top(__m256i idx, __m256 y) {
@@ -209,12 +227,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
     // q8_round_stochastic of 8 scaled values by the floor tables (q8_floormap.h): one row each, read
     // whole and transposed, gives the floor index F (at most 254) and entries F and F + 1.
     static __m256i round_by_floor(__m256 y, const FloorMap& fm, __m256i r, bool unsigned_map) {
-        const __m256i one = _mm256_set1_epi32(1);
-        const __m256i bits = _mm256_castps_si256(y);
-        const __m256i key = _mm256_xor_si256(bits, _mm256_or_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32((int)0x80000000u)));
-        __m256i hi = _mm256_srli_epi32(key, 16);
-        hi = _mm256_sub_epi32(_mm256_min_epi32(_mm256_max_epi32(hi, _mm256_set1_epi32(kLookupLow)), _mm256_set1_epi32(kLookupHigh)),
-                              _mm256_set1_epi32(kLookupLow));
+        const __m256i key = lookup_key(y), hi = lookup_bucket(key);
         const __m128i hl = _mm256_castsi256_si128(hi), hh = _mm256_extracti128_si256(hi, 1);
         const uint64_t l0 = (uint64_t)_mm_cvtsi128_si64(hl), l1 = (uint64_t)_mm_extract_epi64(hl, 1);
         const uint64_t h0 = (uint64_t)_mm_cvtsi128_si64(hh), h1 = (uint64_t)_mm_extract_epi64(hh, 1);
@@ -231,16 +244,11 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         const __m256 c0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
         const __m256 c1 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
         const __m256 c2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256i lo = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(key, _mm256_set1_epi32(0xFFFF))), 16);
+        const __m256i lo = bucket_count(entry, key);
         const __m256 carry = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lo, _mm256_srli_epi32(entry, 16)));
         const __m256 c_lo = _mm256_blendv_ps(c0, c1, carry);
         const __m256 c_hi = _mm256_blendv_ps(c1, c2, carry);
-        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
-        const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
-        __m256i idx = _mm256_add_epi32(lo, _mm256_and_si256(_mm256_castps_si256(pick), one));
-        if (unsigned_map)  // the zero point
-            idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)), one));
-        return nan_to_top(idx, y);
+        return pick_entry(y, c_lo, c_hi, lo, _mm256_add_epi32(lo, _mm256_set1_epi32(1)), r, unsigned_map);
     }
 
     // Blocks of bs values, block j scaled by 1 / absmax[j]. Stochastic requantization with floor tables
