@@ -24,6 +24,15 @@ def test_nvcc_flags_keep_ieee_rounding(monkeypatch):
     assert "-ffp-contract=off" in Q8CUDABuilder().cxx_args()
 
 
+def test_architecture_specific_entries_build_as_their_plain_architecture(monkeypatch):
+    """CUDA images for Hopper set TORCH_CUDA_ARCH_LIST=9.0a, which DeepSpeed's parser cannot read."""
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a 8.0+PTX;10.0f;9.0")
+    args = Q8CUDABuilder().nvcc_args()
+    gencode = [a for a in args if a.startswith("-gencode")]
+    assert gencode == ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_80,code=compute_80",
+                       "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_100,code=sm_100"]
+
+
 @pytest.mark.skipif(GPU, reason="a GPU is visible, so the architecture can be probed")
 def test_incompatible_without_gpu_or_arch_list_says_why(monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)

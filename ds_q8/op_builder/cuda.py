@@ -1,5 +1,6 @@
 """Builder of the CUDA op: fused block-wise 8-bit steps and (de)quantization kernels."""
 import os
+import re
 import shutil
 from typing import Optional
 
@@ -24,6 +25,22 @@ def use_cuda_home() -> Optional[str]:
     return home
 
 
+def _plain_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST with each ``X.Ya``/``X.Yf`` entry written ``X.Y`` (``+PTX`` kept), duplicates
+    dropped in order; ``9.0a;8.0+PTX`` -> ``9.0;8.0+PTX``. Entries it does not recognise stay as they are."""
+    out = []
+    for entry in value.replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-zA-Z]?(\+PTX)?", entry)
+        if m:
+            entry = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}"
+        if entry not in out:
+            out.append(entry)
+    return ";".join(out)
+
+
 class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
     NAME = "_q8_cuda"
     DESCRIPTION = ("ds_q8 CUDA kernels", "a few minutes")
@@ -45,6 +62,22 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         threads = os.environ.get("DS_NVCC_THREADS", str(min(os.cpu_count() or 1, 8)))
         return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}", headers_define()
                 ] + self.compute_capability_args()
+
+    def compute_capability_args(self, cross_compile_archs=None):
+        """DeepSpeed's, on a TORCH_CUDA_ARCH_LIST that its parser reads.
+
+        torch accepts architecture-specific entries such as ``9.0a`` or ``10.0f`` (CUDA images for
+        Hopper often set ``9.0a``); DeepSpeed 0.19 parses each entry's minor as an integer and fails
+        on them. The kernels use no architecture-specific instruction, so such an entry is built as
+        its plain ``X.Y`` (the same machine code runs on the ``a``/``f`` device)."""
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if arch:
+            plain = _plain_arch_list(arch)
+            if plain != arch:
+                self.warning(f"{self.name}: TORCH_CUDA_ARCH_LIST={arch!r} is built as {plain!r} (the kernels "
+                             "need no architecture-specific instruction)")
+                os.environ["TORCH_CUDA_ARCH_LIST"] = plain
+        return super().compute_capability_args(cross_compile_archs)
 
     def filter_ccs(self, ccs):
         """Compute capabilities 7.0 and up: the step kernels take their tensor lists as
