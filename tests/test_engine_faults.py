@@ -149,7 +149,8 @@ def test_fp16_overflow_skip_leaves_params_and_state_untouched(monkeypatch):
         deepspeed.init_distributed(dist_backend="nccl")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
-    cfg = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "initial_scale_power": 8},
+    # hysteresis 1: the first overflow lowers the scale (DeepSpeed's default, 2, lowers it on the second)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1},
            "optimizer": {"type": "Adam8bitBlock", "params": {"lr": 1e-2, "block_size": 256, "min_8bit_size": 1024}},
            "zero_optimization": {"stage": 2}}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
@@ -168,9 +169,10 @@ def test_fp16_overflow_skip_leaves_params_and_state_untouched(monkeypatch):
     assert any(inner.is_8bit_state(st) for st in inner.state.values())
     params = [p.detach().clone() for p in model.parameters()]
     state = copy.deepcopy(inner.state_dict())
-    scale = engine.optimizer.loss_scale
+    scale, skipped = engine.optimizer.loss_scale, engine.skipped_steps
     step(poison=True)
-    assert engine.optimizer.loss_scale < scale  # DeepSpeed saw the overflow and lowered the scale
+    assert engine.skipped_steps == skipped + 1  # DeepSpeed saw the overflow, skipped the step
+    assert engine.optimizer.loss_scale < scale  # and lowered the scale
     for a, p in zip(params, model.parameters()):
         assert torch.equal(a, p.detach())
     assert_same_state(state, inner.state_dict())
