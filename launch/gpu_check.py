@@ -87,7 +87,8 @@ class Report:
 
 # ---------------------------------------------------------------------------------------------- correctness
 def pytest_command(json_path: Optional[str], quick: bool, collect_only: bool = False) -> List[str]:
-    """``pytest -m gpu`` over tests/ (the multi-rank GPU tests aside), its report as JSON in ``json_path``."""
+    """``pytest -m gpu`` over tests/ (the multi-rank GPU tests aside) on one pytest-xdist worker, its report
+    as JSON in ``json_path``."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", GPU_TESTS,
            os.path.join(ROOT, "tests")]
     if quick:
@@ -96,8 +97,12 @@ def pytest_command(json_path: Optional[str], quick: bool, collect_only: bool = F
         cmd += ["--kernel-device", DEVICE]
     if collect_only:
         cmd.append("--collect-only")
-    elif json_path:
-        cmd += ["--json-report", json_path]
+    else:
+        # one pytest-xdist worker: a test that crashes the process (a kernel's fault, a segfault in the
+        # binding) is reported as that test's FAIL, and a fresh worker runs the rest
+        cmd += ["-n", "1"]
+        if json_path:
+            cmd += ["--json-report", json_path]
     return cmd
 
 
@@ -221,6 +226,26 @@ def speed_rows(report: Report, result: dict, n: int, reps: int, many: Tuple[int,
                 report.target(f"{label} ds_q8 step faster than {peer}", ds["ms"] < ms, f"{ds['ms']:.2f} ms vs {ms:.2f} ms")
 
 # ---------------------------------------------------------------------------------------------- preflight, build
+def compilers() -> str:
+    """The host compiler torch's extension builder will use (CXX, else c++), its version, the
+    TORCH_CUDA_ARCH_LIST it is given, and the compiler torch itself was built with: the facts an
+    ABI mismatch between an extension and torch comes down to."""
+    import shutil
+    import subprocess
+
+    import torch
+
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=20).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError) as exc:
+        version = f"not runnable ({exc})"
+    built = [line.strip() for line in torch.__config__.show().splitlines()
+             if line.strip().startswith(("- GCC", "- C++ Version", "- clang"))]
+    return (f"CXX={cxx} ({shutil.which(cxx)}: {version}); TORCH_CUDA_ARCH_LIST="
+            f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '(unset)')}; torch built with {'; '.join(built) or '?'}")
+
+
 def preflight() -> int:
     """What every later stage needs: torch with CUDA, DeepSpeed, ds_q8 from this tree, a visible GPU.
     Builds nothing. Returns 2 (one STOP line) when a stage cannot run here."""
@@ -244,6 +269,7 @@ def preflight() -> int:
         return 2
     print(f"PASS preflight: torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}, "
           f"{torch.cuda.get_device_name()}, CUDA_HOME={os.environ.get('CUDA_HOME')}", flush=True)
+    print(f"INFO compilers: {compilers()}", flush=True)
     try:
         import bitsandbytes
         print(f"INFO bitsandbytes {bitsandbytes.__version__}", flush=True)

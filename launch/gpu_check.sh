@@ -21,13 +21,15 @@
 #   OUT=DIR bash launch/gpu_check.sh            the run; exit 0 when every stage passed, 2 on STOP
 #   DRY_RUN=1 OUT=DIR bash launch/gpu_check.sh  the stages and the checks' plan; needs no GPU
 # Packages the machine lacks (deepspeed, bitsandbytes, ...) can come as wheels in .whl/
-# (launch/gpu_wheels.sh builds them on a machine with network access).
+# (launch/gpu_wheels.sh builds them on a machine with network access); WHEELS=DIR names another
+# folder, WHEELS= none.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 N=${N:-1500000000}
 BUDGET_S=${BUDGET_S:-480}
 DRY_RUN=${DRY_RUN:-0}
+WHEELS=${WHEELS-.whl}  # the wheels to install first; WHEELS= installs none
 source launch/python.sh  # PY: PYTHON, the active or .venv environment, else python3
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -98,9 +100,9 @@ stage() {
     return $rc
 }
 
-if [ "$DRY_RUN" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
+if [ "$DRY_RUN" != 1 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_q8_site \
-        .whl/*.whl > "$WORK/wheels.log" 2>&1 || { echo "STOP preflight: installing .whl/ failed (see wheels.log)"
+        "$WHEELS"/*.whl > "$WORK/wheels.log" 2>&1 || { echo "STOP preflight: installing $WHEELS/ failed (see wheels.log)"
                                                  stopped=1; exit 2; }
     export PYTHONPATH=/tmp/ds_q8_site${PYTHONPATH:+:$PYTHONPATH}
 fi

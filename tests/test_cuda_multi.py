@@ -67,13 +67,30 @@ def test_skip_flag_writes_nothing_and_zero_flag_changes_nothing(cuda_op):
     assert not all(torch.equal(a, b) for a, b in zip(_snapshot(params, states, absmax), before))
 
 
+# one case per test: a case that crashes the process (not only raises) is then named by the report
+BAD_SKIP = {"int64": dict(dtype=torch.int64, device="cuda"), "two_values": dict(size=2, device="cuda"),
+            "on_cpu": dict(device="cpu")}
+
+
 @pytest.mark.gpu
-def test_skip_flag_is_checked(cuda_op):
+@pytest.mark.parametrize("case", list(BAD_SKIP))
+def test_skip_flag_is_checked(cuda_op, case):
     params, grads, states, absmax, maps, lookups, hyper = _adamw_lists(cuda_op, [100])
-    for bad in (torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(2, dtype=torch.int32, device="cuda"),
-                torch.zeros(1, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="skip"):
-            cuda_op.step_many("adamw", params, grads, states, absmax, maps, lookups, 256, hyper, [], [], skip=bad)
+    spec = dict(BAD_SKIP[case])
+    bad = torch.zeros(spec.pop("size", 1), dtype=spec.pop("dtype", torch.int32), **spec)
+    before = _snapshot(params, states, absmax)
+    with pytest.raises(ValueError, match="skip"):
+        cuda_op.step_many("adamw", params, grads, states, absmax, maps, lookups, 256, hyper, [], [], skip=bad)
+    for a, b in zip(_snapshot(params, states, absmax), before):
+        assert_same_bits(a, b, f"refused step ({case})")
+
+
+@pytest.mark.gpu
+def test_a_param_off_the_gpu_is_refused(cuda_op):
+    """The binding's error path without a skip flag: its first check (check_cuda) raises."""
+    params, grads, states, absmax, maps, lookups, hyper = _adamw_lists(cuda_op, [100])
+    with pytest.raises(ValueError, match="param must be on"):
+        cuda_op.step_many("adamw", [params[0].cpu()], grads, states, absmax, maps, lookups, 256, hyper, [], [])
 
 
 @pytest.mark.gpu

@@ -59,7 +59,8 @@ def test_gpu_less_run_stops_at_the_gpu_with_one_line(tmp_path):
     """The real run (no DRY_RUN) on this machine: it gets as far as it can without a GPU, then stops
     with one STOP line, having built nothing, and leaves its few files in OUT."""
     out, ext = tmp_path / "out", tmp_path / "ext"
-    env = dict(os.environ, OUT=str(out), TORCH_EXTENSIONS_DIR=str(ext), CUDA_VISIBLE_DEVICES="")
+    # WHEELS= : .whl/, when present, holds wheels for the GPU machine's Python, not this one's
+    env = dict(os.environ, OUT=str(out), TORCH_EXTENSIONS_DIR=str(ext), CUDA_VISIBLE_DEVICES="", WHEELS="")
     env.pop("DRY_RUN", None)
     run = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_check.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
