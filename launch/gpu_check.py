@@ -7,6 +7,8 @@
     python launch/gpu_check.py speed --out DIR [--n N]   python -m ds_q8.bench on the GPU: timings against
                                                          copy, bitsandbytes, torch; targets as TARGET lines
     python launch/gpu_check.py sanitize                  a small run for compute-sanitizer
+    python launch/gpu_check.py profile [--n N]           the workload Nsight Compute profiles (ncu)
+    python launch/gpu_check.py ncu-summary LOG           ncu's CSV output as one INFO line per kernel
     python launch/gpu_check.py STAGE --dry-run           the plan only (no GPU needed)
 
 Every check prints one ``PASS name ...``, ``FAIL name ...`` (or ``SKIP``) line and is added to
@@ -171,6 +173,61 @@ def sanitize(report: Report) -> None:
     report.run("sanitize workload", run)
 
 
+# ---------------------------------------------------------------------------------------------- profile
+#: the step kernels Nsight Compute profiles (ncu --kernel-name, matched against the function's base name)
+PROFILE_KERNELS = "regex:step4?_kernel"
+#: the figures of each profiled kernel printed as an INFO line: enough to tell a kernel bound by memory
+#: traffic (DRAM throughput near 100%) from one bound by its arithmetic (SM throughput high) or by
+#: latency (both low, warps waiting); the whole table is in the stage's log
+PROFILE_METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput",
+                   "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy", "Block Limit Registers",
+                   "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction")
+
+
+def profile_workload(n: int) -> None:
+    """What the profile stage runs under ncu: two AdamW steps on one fp32 tensor of n elements with
+    8-bit states, then two with 4-bit states (ncu profiles the second of each)."""
+    import torch
+
+    import ds_q8
+
+    for bits in (8, 4):
+        p = torch.nn.Parameter(torch.randn(n, device=DEVICE))
+        p.grad = torch.randn_like(p)
+        opt = ds_q8.AdamW8bitBlock([p], optim_bits=bits, nonfinite="off")
+        for _ in range(2):
+            opt.step()
+        sync()
+        print(f"profile workload: {bits}-bit AdamW, {n} elements, 2 steps", flush=True)
+        del opt, p
+
+
+def ncu_summary(text: str) -> List[str]:
+    """INFO lines from ``ncu --csv --page details`` output: one per profiled kernel, with the figures
+    of :data:`PROFILE_METRICS` that it reports. Lines before the CSV header (the program's own output,
+    ``==PROF==`` lines) are skipped."""
+    import csv
+    import io
+
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    kernels: Dict[str, Dict[str, str]] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        name, metric = row.get("Kernel Name", ""), row.get("Metric Name", "")
+        if not name or metric not in PROFILE_METRICS:
+            continue
+        key = f"{row.get('ID', '?')} {name}"
+        unit = row.get("Metric Unit", "")
+        kernels.setdefault(key, {})[metric] = f"{row.get('Metric Value', '')}{' ' + unit if unit else ''}"
+    out = []
+    for key, figures in kernels.items():
+        ordered = [f"{m} {figures[m]}" for m in PROFILE_METRICS if m in figures]
+        out.append(f"INFO profile {key.split(' ', 1)[1].split('(')[0]}: " + ", ".join(ordered))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- speed
 #: step rows that answer other questions than the targets (python -m ds_q8.bench has them); each row of a
 #: table holds its own parameters at once, so at 1.5e9 parameters fewer rows also fit the GPU
@@ -299,9 +356,12 @@ def build() -> int:
 # ---------------------------------------------------------------------------------------------- main
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["preflight", "build", "correctness", "speed", "sanitize"])
+    ap.add_argument("stage", choices=["preflight", "build", "correctness", "speed", "sanitize", "profile",
+                                      "ncu-summary"])
+    ap.add_argument("log", nargs="?", help="ncu-summary: the file of ncu --csv --page details output")
     ap.add_argument("--out", help="directory for gpu_check_<stage>.json (default: no file)")
-    ap.add_argument("--n", type=int, default=1_500_000_000, help="parameters of the single-tensor speed rows")
+    ap.add_argument("--n", type=int, default=None, help="parameters of the single-tensor speed rows "
+                    "(1.5e9), or of the profiled steps (2^27)")
     ap.add_argument("--reps", type=int, default=5, help="timed calls per row (median reported; at least 5)")
     ap.add_argument("--quick", action="store_true", help="correctness without the 2^31+4099-element tensor")
     ap.add_argument("--no-peers", action="store_true", help="speed without bitsandbytes")
@@ -312,6 +372,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--many", type=int, nargs=2, metavar=("COUNT", "SIZE"),
                     help="speed's many-tensor table (default: as many tensors and parameters as the GPT-2 XL list)")
     args = ap.parse_args(argv)
+    if args.n is None:
+        args.n = 2 ** 27 if args.stage == "profile" else 1_500_000_000
+    if args.stage == "ncu-summary" and not args.log:
+        ap.error("ncu-summary needs the path of ncu's output")
     if args.reps < 5:
         ap.error(f"--reps must be at least 5, got {args.reps}")
     if args.n < 1:
@@ -333,6 +397,8 @@ def dry_run(args, path: Optional[str]) -> int:
         plan = correctness_plan(args.quick)
     elif args.stage == "speed":
         plan = ["python -m ds_q8.bench " + " ".join(bench_argv(args.n, args.reps, args.no_peers, args.many))]
+    elif args.stage == "profile":
+        plan = [f"8-bit and 4-bit AdamW steps on {args.n} elements under ncu ({PROFILE_KERNELS})"]
     else:
         plan = ["small AdamW steps, quantize, dequantize"]
     print(f"dry run of {args.stage}: {len(plan)} checks")
@@ -350,6 +416,11 @@ def main(argv=None) -> int:
     DEVICE = args.device
     if args.stage in ("preflight", "build") and not args.dry_run:
         return preflight() if args.stage == "preflight" else build()
+    if args.stage == "ncu-summary":
+        with open(args.log, errors="replace") as f:
+            lines = ncu_summary(f.read())
+        print("\n".join(lines) if lines else f"INFO profile: no kernel figures in {args.log}", flush=True)
+        return 0
     path = os.path.join(args.out, f"gpu_check_{args.stage}.json") if args.out else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -362,6 +433,9 @@ def main(argv=None) -> int:
         return 1
     if args.stage == "correctness":
         return correctness(path, args.quick)
+    if args.stage == "profile":
+        profile_workload(args.n)
+        return 0
     report = Report(path, args.stage)
     if args.stage == "speed":
         speed(report, args.n, args.reps, args.no_peers, args.many)

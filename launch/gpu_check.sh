@@ -12,6 +12,8 @@
 #   speed        python -m ds_q8.bench on the GPU: medians against copy bandwidth, torch fused AdamW and
 #                bitsandbytes, as TARGET lines (figures against targets; FAIL is only for wrong results)
 #   sanitizer    compute-sanitizer memcheck and racecheck on a small workload, ds_q8 kernels only
+#   profile      Nsight Compute (ncu) on the 8-bit and 4-bit step kernels: one INFO line each (DRAM and
+#                SM throughput, occupancy, registers, issue rate); the full table in profile.log
 #   deepspeed    pytest -m "gpu and multirank": the DeepSpeed fp16 overflow skips
 # Each stage has its own limit, cut to what is left of BUDGET_S (480). ptxas figures are CI's
 # (tests/test_cuda_build.py), not this script's.
@@ -148,11 +150,23 @@ else
     echo "SKIP sanitizer: compute-sanitizer not found"
 fi
 
+# ---- Nsight Compute on the step kernels: where their time goes (figures, never a failure)
+NCU=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
+if [ "$DRY_RUN" = 1 ] || [ -x "$NCU" ]; then
+    stage profile 60 profile.log "$NCU" --clock-control none --kernel-name "regex:step4?_kernel" \
+        --launch-skip 1 --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details \
+        "$PY" launch/gpu_check.py profile
+    [ "$DRY_RUN" = 1 ] || "$PY" launch/gpu_check.py ncu-summary "$WORK/profile.log"
+else
+    echo "SKIP profile: ncu not found"
+fi
+
 # ---- the multi-rank GPU tests: DeepSpeed's fp16 overflow skips (last: the slowest to start)
 stage deepspeed-gpu 40 deepspeed_gpu.log "$PY" -m pytest -q -rs -p no:cacheprovider -m "gpu and multirank" tests
 
 if [ "$DRY_RUN" = 1 ]; then
-    for s in correctness speed sanitize; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done
+    for s in correctness speed sanitize profile; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done
     exit $failed
 fi
 verdict=$([ $failed -eq 0 ] && echo PASS || echo FAIL)

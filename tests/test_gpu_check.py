@@ -81,7 +81,8 @@ def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
     out = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_check.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    order = ["preflight", "build", "correctness", "speed", "sanitizer-memcheck", "sanitizer-racecheck", "deepspeed-gpu"]
+    order = ["preflight", "build", "correctness", "speed", "sanitizer-memcheck", "sanitizer-racecheck", "profile",
+             "deepspeed-gpu"]
     at = [out.stdout.find(f"stage {stage} ") for stage in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))  # answers first, the slowest to start last
     assert "stage ptxas" not in out.stdout  # CI's (tests/test_cuda_build.py)
@@ -96,6 +97,16 @@ def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
     assert not any(line.startswith("tests/test_engine_faults.py::") for line in plan)  # multi-rank: deepspeed-gpu's
     speed = json.loads((tmp_path / "gpu_check_speed.json").read_text())["plan"]
     assert speed[0].startswith("python -m ds_q8.bench --device cuda --n ")
+    profile = json.loads((tmp_path / "gpu_check_profile.json").read_text())["plan"]
+    assert profile == [f"8-bit and 4-bit AdamW steps on {2 ** 27} elements under ncu (regex:step4?_kernel)"]
+
+
+def test_profile_workload_runs_on_the_cpu_op():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "gpu_check.py"), "profile", "--device", "cpu",
+                          "--n", "5000"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=ROOT, CUDA_VISIBLE_DEVICES=""))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert out.stdout.count("profile workload: ") == 2
 
 
 def test_plan_covers_the_issue_sizes():
@@ -216,3 +227,30 @@ def test_speed_stage_runs_the_bench_on_the_cpu(tmp_path, monkeypatch):
     assert any(n.startswith("kernel >= 80% of copy bandwidth") for n in names)
     assert not any("bitsandbytes" in n and "unavailable" not in r["detail"] for n, r in zip(names, data["results"]))
     assert data["bench"]["argv"][:2] == ["--device", "cpu"] and report.failed == 0
+
+
+NCU_CSV = '''==PROF== Connected to process 123 (/usr/bin/python3)
+profile workload: 8-bit AdamW, 134217728 elements, 2 steps
+==PROF== Disconnected from process 123
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","123","python3","127.0.0.1","step_kernel","1","7","(256, 1, 1)","(65536, 1, 1)","0","9.0","GPU Speed Of Light Throughput","DRAM Throughput","%","31.20"
+"0","123","python3","127.0.0.1","step_kernel","1","7","(256, 1, 1)","(65536, 1, 1)","0","9.0","GPU Speed Of Light Throughput","Duration","ms","1.98"
+"0","123","python3","127.0.0.1","step_kernel","1","7","(256, 1, 1)","(65536, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","64"
+"0","123","python3","127.0.0.1","step_kernel","1","7","(256, 1, 1)","(65536, 1, 1)","0","9.0","Launch Statistics","Grid Size","","65536"
+"1","123","python3","127.0.0.1","step4_kernel","1","7","(256, 1, 1)","(32768, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","48.5"
+'''
+
+
+def test_ncu_summary_reads_the_kernels_figures():
+    """The profile stage's summary of ncu --csv --page details: one INFO line per profiled kernel with
+    the figures it names, in their order; the program's output before the table is skipped."""
+    lines = gpu_check.ncu_summary(NCU_CSV)
+    assert lines == ["INFO profile step_kernel: Duration 1.98 ms, DRAM Throughput 31.20 %, Registers Per Thread "
+                     "64 register/thread",
+                     "INFO profile step4_kernel: Achieved Occupancy 48.5 %"]
+    assert gpu_check.ncu_summary("no table here\n") == []
+
+
+def test_profile_stage_names_the_kernels_the_shell_profiles():
+    script = open(os.path.join(ROOT, "launch", "gpu_check.sh")).read()
+    assert f'--kernel-name "{gpu_check.PROFILE_KERNELS}"' in script
