@@ -32,7 +32,7 @@ Which path a group takes is its ``impl`` option, decided in one place (``path_ke
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -266,39 +266,56 @@ class _Plan:
 def tensor_steps(opt, work):
     """The :class:`TensorStep` of each ``(group, tensor)`` of ``work`` for optimizer ``opt``, grouped by
     rule in the order the groups first use them: ``({id(rule): (rule, steps)}, step counters)``. Each
-    tensor's step count is advanced here (a skipped CUDA step takes it back, ``nonfinite.py``)."""
+    tensor's step count is advanced here (a skipped CUDA step takes it back, ``nonfinite.py``), all of
+    them at once and only once every tensor's state is ready.
+
+    This runs once per tensor and step, so what depends on the group alone is looked up once per group,
+    and what depends on the group and step count alone once per count: with hundreds of tensors it is
+    the host's share of a step, which on a GPU comes before the first kernel starts."""
     by_rule: Dict[int, tuple] = {}
-    counters = []
-    hypers: Dict[tuple, Dict[str, float]] = {}  # _hyper depends on the group and step count only
-    states_random = {id(g): any(opt.stochastic_states(g)) for g in opt.param_groups}
+    ready = []
     for group, p in work:
         opt._adopt_fp32_state(p, opt.state[p], group=group)
         qs = opt.quantized_state(p, group)
         match_correction(qs.entry, group, p)
-        count = _advance(qs.entry)
-        counters.append(qs.entry)
-        h = hypers.get((id(group), count))
-        if h is None:
-            h = hypers[(id(group), count)] = opt._hyper(group, count)
-        rule = opt.rule_for(group)
-        random = opt.stochastic_params(group, p) or (qs.layout.has8 and states_random[id(group)])
-        telemetry = opt._telemetry
+        ready.append((group, p, qs))
+    counters = [qs.entry for _, _, qs in ready]
+    counts = _advance(counters)
+    of_group: Dict[int, tuple] = {}  # id(group) -> (rule, any state rounded stochastically)
+    of_count: Dict[tuple, tuple] = {}  # (id(group), count) -> (step scalars, rounding key of the step)
+    telemetry = opt._telemetry
+    for (group, p, qs), count in zip(ready, counts):
+        g = of_group.get(id(group))
+        if g is None:
+            rule = opt.rule_for(group)
+            g = of_group[id(group)] = (rule, any(opt.stochastic_states(group)))
+        rule, states_random = g
+        c = of_count.get((id(group), count))
+        if c is None:
+            c = of_count[(id(group), count)] = (opt._hyper(group, count),
+                                                rounding.step_key(group.get("sr_seed", 0), count))
+        h, key = c
+        random = opt.stochastic_params(group, p) or (qs.layout.has8 and states_random)
         sums = None if telemetry is None else telemetry.sums_for(p, qs.layout, rule.num_states, count)
-        t = TensorStep(p, p.grad, qs, group, h, None,
-                       rounding.step_key(group.get("sr_seed", 0), count) if random else None, sums)
+        t = TensorStep(p, p.grad, qs, group, h, None, key if random else None, sums)
         if rule.needs_norms:
             t = t._replace(segment_hyper=segment_hypers(rule, t))
         by_rule.setdefault(id(rule), (rule, []))[1].append(t)
     return by_rule, counters
 
 
-def _advance(entry: dict) -> int:
-    """Count one more step in a state entry; its new step number."""
-    step_t = entry["step"]
-    if not torch.is_tensor(step_t):  # an int written by a loader
-        step_t = entry["step"] = torch.tensor(float(step_t))
-    step_t += 1
-    return int(step_t.item())
+def _advance(entries: Sequence[dict]) -> List[int]:
+    """Count one more step in each state entry (one foreach add over their step tensors); their new
+    step numbers."""
+    steps = []
+    for entry in entries:
+        step_t = entry["step"]
+        if not torch.is_tensor(step_t):  # an int written by a loader
+            step_t = entry["step"] = torch.tensor(float(step_t))
+        steps.append(step_t)
+    if steps:
+        torch._foreach_add_(steps, 1)
+    return [int(step_t.item()) for step_t in steps]
 
 
 def match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
