@@ -400,3 +400,27 @@ def test_each_tensor_finds_its_group_after_the_groups_change():
         p.grad = torch.randn_like(p)
     opt.step()
     assert opt.rule_of(c).name == "adamw" and int(opt.state[c]["step"]) == 1
+
+
+def test_a_step_that_fails_preparing_a_tensor_advances_no_step_count(monkeypatch):
+    """The step counts advance together, once every tensor's state is ready: an error while the step
+    prepares its third tensor leaves the first two counts where they were, and the next step counts on."""
+    ps = [torch.nn.Parameter(torch.randn(300)) for _ in range(3)]
+    opt = ds_q8.AdamW8bitBlock(ps, lr=1e-3, min_8bit_size=0)
+    for p in ps:
+        p.grad = torch.randn(300)
+    opt.step()
+    real = type(opt).quantized_state
+
+    def failing(self, p, *args, **kwargs):
+        if p is ps[2]:
+            raise RuntimeError("preparing the third tensor failed")
+        return real(self, p, *args, **kwargs)
+
+    monkeypatch.setattr(type(opt), "quantized_state", failing)
+    with pytest.raises(RuntimeError, match="third tensor"):
+        opt.step()
+    assert [int(opt.state[p]["step"]) for p in ps] == [1, 1, 1]
+    monkeypatch.setattr(type(opt), "quantized_state", real)
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in ps] == [2, 2, 2]
