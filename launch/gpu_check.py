@@ -213,19 +213,15 @@ def ncu_summary(text: str) -> List[str]:
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
         return []
-    kernels: Dict[str, Dict[str, str]] = {}
+    kernels: Dict[tuple, Dict[str, str]] = {}  # (launch ID, kernel name) -> metric -> value and unit
     for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
         name, metric = row.get("Kernel Name", ""), row.get("Metric Name", "")
         if not name or metric not in PROFILE_METRICS:
             continue
-        key = f"{row.get('ID', '?')} {name}"
         unit = row.get("Metric Unit", "")
-        kernels.setdefault(key, {})[metric] = f"{row.get('Metric Value', '')}{' ' + unit if unit else ''}"
-    out = []
-    for key, figures in kernels.items():
-        ordered = [f"{m} {figures[m]}" for m in PROFILE_METRICS if m in figures]
-        out.append(f"INFO profile {key.split(' ', 1)[1].split('(')[0]}: " + ", ".join(ordered))
-    return out
+        kernels.setdefault((row.get("ID"), name), {})[metric] = f"{row.get('Metric Value', '')}{' ' + unit if unit else ''}"
+    return [f"INFO profile {name.split('(')[0]}: " + ", ".join(f"{m} {figures[m]}" for m in PROFILE_METRICS if m in figures)
+            for (_, name), figures in kernels.items()]
 
 
 # ---------------------------------------------------------------------------------------------- speed
