@@ -366,9 +366,9 @@ PLANTED = {
         "void load_words(const void* p, uint32_t (&w)[kWords], int align) {\n"
         "    if (kWords % 4 == 0 && align >= (Q8_SIM_BUG(4) ? 8 : 16)) {",
         "test_offset_views_match_aligned_copies and dtype0-2", "misaligned address"),
-    5: ("asan", "the wrong tensor from the list search",
-        "        if (list.first_cta[mid] <= b) lo = mid;\n",
-        "        if (Q8_SIM_BUG(5) ? list.first_cta[mid] < b : list.first_cta[mid] <= b) lo = mid;\n",
+    5: ("asan", "the wrong tensor for a tile from the list",
+        "        while (list.first_tile[t + 1] <= tile) ++t;\n",
+        "        while (Q8_SIM_BUG(5) ? list.first_tile[t + 1] < tile : list.first_tile[t + 1] <= tile) ++t;\n",
         "test_lists_longer_than_one_launch", "differ"),
 }
 

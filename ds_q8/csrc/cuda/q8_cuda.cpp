@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <memory>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,7 +39,7 @@ void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const tor
 }
 
 // The lookup tensor of a map (CPU in and out; see kDeviceLookupSize): the table, then the segment
-// search's tables when the map has them.
+// search's and the step's tables when the map has them.
 torch::Tensor build_lookup(const torch::Tensor& code) {
     const torch::Tensor table = binding::build_lookup(code);  // checks the map
     auto out = torch::zeros({kDeviceLookupSize}, torch::kInt32);
@@ -47,6 +48,11 @@ torch::Tensor build_lookup(const torch::Tensor& code) {
     if (q8_build_fastmap(code.data_ptr<float>(), &fast)) {
         std::memcpy(out.data_ptr<int32_t>() + kLookupSize, &fast, sizeof(FastMap));
         out.data_ptr<int32_t>()[kLookupSize + kFastWords] = 1;
+    }
+    auto floor = std::make_unique<FloorTable>();
+    if (q8_build_floortable(code.data_ptr<float>(), floor.get())) {
+        std::memcpy(out.data_ptr<int32_t>() + kDeviceFloorOffset, floor.get(), sizeof(FloorTable));
+        out.data_ptr<int32_t>()[kDeviceFloorFlag] = 1;
     }
     return out;
 }

@@ -3,11 +3,12 @@
 // Geometry: every thread owns 8 consecutive elements (vector loads: 2 x float4 or 1 x uint4 for
 // the parameter and gradient, 8 bytes of codes per state), so a quantization block of block_size
 // elements is handled by T = block_size / 8 threads and a CUDA block of max(T, 256) threads holds
-// one or more whole quantization blocks. The state never leaves registers: dequantize, update,
+// one or more whole quantization blocks. The step kernels are persistent: a grid of as many CTAs as
+// the device holds at once walks the tiles (one CTA's elements) of up to 32 tensors, so each CTA
+// loads its tables into shared memory once. The state never leaves registers: dequantize, update,
 // reduce the new absmax across the T threads (warp shuffles, then shared memory when T > 32),
-// requantize and store. Maps live in shared memory, and so do the tables of the nearest-code
-// segment search (q8_fastmap.h); the 192 KiB lookup table answers only what the search leaves
-// ambiguous, through the read-only cache.
+// requantize (one row read and one pair read of q8_floortable.h per value) and store. The lookup
+// table of q8_common.h answers, through the read-only cache, for blocks that are not finite.
 //
 // Compiled with -fmad=false and without fast-math so that every operation rounds like torch's.
 #include <ATen/ATen.h>
@@ -21,11 +22,16 @@
 
 #include "q8_common.h"
 #include "q8_cuda_api.h"
+#include "q8_floortable.h"
 
-// Every launch goes through Q8_LAUNCH: CUDA's <<<>>> here, the CPU execution harness of the tests
-// (tests/cuda_sim/cuda_sim.h) where it defines its own.
+// Every launch goes through Q8_LAUNCH, and the step kernel's tables through Q8_DYNAMIC_SHARED: CUDA's
+// here, the CPU execution harness of the tests (tests/cuda_sim/cuda_sim.h) where it defines its own.
 #ifndef Q8_LAUNCH
-#define Q8_LAUNCH(kernel, grid, threads, stream, ...) kernel<<<(grid), (threads), 0, (stream)>>>(__VA_ARGS__)
+#define Q8_LAUNCH(kernel, grid, threads, smem, stream, ...) \
+    kernel<<<(grid), (threads), (smem), (stream)>>>(__VA_ARGS__)
+#define Q8_DYNAMIC_SHARED(T, name)                               \
+    extern __shared__ __align__(16) unsigned char q8_dynamic_shared[]; \
+    T* name = reinterpret_cast<T*>(q8_dynamic_shared)
 #endif
 
 namespace ds_q8 {
@@ -205,20 +211,33 @@ __device__ __forceinline__ void store_param8(P* p, const float (&v)[kElems], int
     store8(p, v, cnt, align, stochastic, key, index);
 }
 
-// ------------------------------------------------------------------ block absmax
-// NaN-propagating max of |x| over the T threads of one quantization block; every thread gets it.
-// `red` holds one float per warp of the CUDA block.
-__device__ __forceinline__ float qblock_absmax(float local, int T, float* red) {
+// ------------------------------------------------------------------ block maxima
+// The maximum over the T threads of one quantization block (warp shuffles, then shared memory when T >
+// 32); every thread gets it. `red` holds one value per warp of the CUDA block; `pick(a, b)` is the max.
+template <class V, class Pick>
+__device__ __forceinline__ V qblock_reduce(V local, int T, V* red, Pick pick) {
     const int width = T < 32 ? T : 32;
-    for (int off = width / 2; off > 0; off /= 2) local = q8_absmax_step(local, __shfl_xor_sync(0xFFFFFFFFu, local, off));
+    for (int off = width / 2; off > 0; off /= 2) local = pick(local, __shfl_xor_sync(0xFFFFFFFFu, local, off));
     if (T <= 32) return local;
     const int warp = threadIdx.x / 32, warps = T / 32, first = (threadIdx.x / T) * warps;
     if ((threadIdx.x & 31) == 0) red[warp] = local;
     __syncthreads();
-    float m = red[first];
-    for (int w = 1; w < warps; ++w) m = q8_absmax_step(m, red[first + w]);
+    V m = red[first];
+    for (int w = 1; w < warps; ++w) m = pick(m, red[first + w]);
     __syncthreads();  // `red` is reused by the next reduction
     return m;
+}
+
+// NaN-propagating max of |x| over a quantization block (q8_absmax_step).
+__device__ __forceinline__ float qblock_absmax(float local, int T, float* red) {
+    return qblock_reduce(local, T, red, [](float a, float b) { return q8_absmax_step(a, b); });
+}
+
+// max |x| over a quantization block as the bits of |x|: for non-negative floats the integer order is
+// the float order, and every NaN orders above infinity, so the maximum is NaN when the block holds
+// one, as with q8_absmax_step; q8_absmax_store turns every NaN into the same stored value.
+__device__ __forceinline__ uint32_t qblock_maxbits(uint32_t local, int T, uint32_t* red) {
+    return qblock_reduce(local, T, red, [](uint32_t a, uint32_t b) { return a > b ? a : b; });
 }
 
 // ------------------------------------------------------------------ nearest code
@@ -241,10 +260,12 @@ __device__ __forceinline__ uint32_t quantize_one(float x, float scale, bool fast
 }
 
 // ------------------------------------------------------------------ tensor lists
-// A step launch covers up to kListTensors tensors, as torch's multi_tensor_apply does: the
-// per-tensor pointers travel in the kernel's parameter block (__grid_constant__, so that indexing
-// it by the CTA's tensor reads the parameter space instead of copying it to the stack), each tensor
-// owns a contiguous range of CTAs, and a CTA finds its tensor by binary search over first_cta.
+// A step launch covers up to kListTensors tensors, as torch's multi_tensor_apply does: the per-tensor
+// pointers travel in the kernel's parameter block (__grid_constant__, so that indexing it by the
+// tensor reads the parameter space instead of copying it to the stack). Each tensor is cut into tiles
+// of one CTA's elements (blockDim.x * kElems, whole quantization blocks), numbered across the list
+// (tensor t owns tiles first_tile[t] .. first_tile[t + 1] - 1), and the CTAs are persistent: each
+// loads its tables once and then walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ...
 constexpr int kListTensors = 32;
 
 struct StepSlot {
@@ -263,33 +284,34 @@ struct StepSlot {
 };
 
 struct StepList {
-    const float* code[Q8_MAX_STATES];       // 8-bit states: the maps
-    const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors
+    const float* code[Q8_MAX_STATES];       // 8-bit states: the maps (4-bit: format4's 60 floats in code[0])
+    const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors (kDeviceLookupSize words)
     const int32_t* skip;                    // null, or a device flag: non-zero means write nothing
-    int32_t block_size, threads_per_qblock, count;
+    int32_t block_shift, threads_per_qblock, count;  // log2 of the block size, T = block size / kElems
     bool stochastic;                        // 16-bit parameter writes rounded stochastically
     bool stochastic_states[Q8_MAX_STATES];  // 8-bit states requantized stochastically
-    int32_t first_cta[kListTensors + 1];
+    int32_t first_tile[kListTensors + 1];
     StepSlot slot[kListTensors];
 };
 static_assert(sizeof(StepList) + 64 <= 4000, "a StepList (and the rule) must fit the 4 KiB parameter block");
-
-// The tensor of this CTA: the last t with first_cta[t] <= blockIdx.x (uniform across the CTA).
-__device__ __forceinline__ int list_tensor(const StepList& list) {
-    int lo = 0, hi = list.count - 1;
-    const int b = (int)blockIdx.x;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (list.first_cta[mid] <= b) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
 
 // Whether the step is to be skipped (a non-finite gradient found on the device): then no thread
 // writes anything. The same answer for every thread of the grid.
 __device__ __forceinline__ bool list_skipped(const StepList& list) {
     return list.skip != nullptr && *list.skip != 0;
+}
+
+// Calls body(slot, first element of the tile) for each tile of this CTA, in order. The tensor of a
+// tile only moves forward, so finding it costs a few uniform comparisons per tile.
+template <class Body>
+__device__ __forceinline__ void for_each_tile(const StepList& list, Body body) {
+    const int64_t tile_elems = (int64_t)blockDim.x * kElems;
+    const int total = list.first_tile[list.count];
+    int t = 0;
+    for (int tile = (int)blockIdx.x; tile < total; tile += (int)gridDim.x) {
+        while (list.first_tile[t + 1] <= tile) ++t;
+        body(list.slot[t], (int64_t)(tile - list.first_tile[t]) * tile_elems);
+    }
 }
 
 // The rule on each of the 8 values (its states s[k][i]); lanes past the tensor's end compute on zeros
@@ -308,94 +330,158 @@ __device__ __forceinline__ void apply_rule(const Rule& rule, float (&p)[kElems],
     }
 }
 
+// ------------------------------------------------------------------ requantization
+// The CTA's copy of a state's tables: the map's FloorTable when it has one (q8_floortable.h), else the
+// map alone in its code[] (the exact path then codes every value). Returns whether it has one (the same
+// answer for every thread of the grid).
+__device__ __forceinline__ bool load_table(const StepList& list, int k, FloorTable& dst) {
+    const bool table = __ldg(list.lookup[k] + kDeviceFloorFlag) != 0u;
+    if (table) {
+        const uint4* src = reinterpret_cast<const uint4*>(list.lookup[k] + kDeviceFloorOffset);
+        uint4* words = reinterpret_cast<uint4*>(&dst);
+        for (int i = threadIdx.x; i < kFloorWords / 4; i += blockDim.x) words[i] = __ldg(src + i);
+    } else {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) dst.code[i] = __ldg(list.code[k] + i);
+    }
+    return table;
+}
+
+// The floor index F of a scaled value (its bits u; finite, |y| <= 1 + 2^-7, not -0.0) from one row read:
+// q8_floor_row and q8_floor_from_row, written so that the sign's shift serves the key and the row.
+__device__ __forceinline__ uint32_t floor_index(const FloorTable& t, uint32_t u) {
+    const uint32_t sign = (uint32_t)((int32_t)u >> 31);  // all ones for a negative value
+    const uint32_t key = u ^ (sign | 0x80000000u);       // q8_key
+    uint32_t mag = u & 0x7FFFFFFFu;
+    mag = mag > (kFloorRowLow << 16) ? mag : (kFloorRowLow << 16);
+    const uint32_t row = (mag >> 16) - kFloorRowLow + (~sign & (uint32_t)kFloorRows);  // negative rows first
+    return q8_floor_from_row((&t.row[0][0])[row], key);
+}
+
+// A value of a block that the table serves, scaled as the reference scales it (x * scale), as +0.0 for
+// -0.0 (an fma adding 0 rounds once, like the product alone).
+__device__ __forceinline__ float table_scaled(float x, float scale) { return __fmaf_rn(x, scale, 0.0f); }
+
+// Its code rounded stochastically with random bits r (q8_floor_round): one row read, one pair read.
+__device__ __forceinline__ uint32_t round_stochastic_by_table(const FloorTable& t, float y, uint32_t r) {
+    const uint32_t f = floor_index(t, __float_as_uint(y));
+    const float2 pr = reinterpret_cast<const float2*>(t.pair)[f];
+    return f + ((float)(r >> 8) * pr.y < y - pr.x ? 1u : 0u);
+}
+
+// Its nearest code (q8_floor_round): one row read, one midpoint read.
+__device__ __forceinline__ uint32_t round_nearest_by_table(const FloorTable& t, float y) {
+    const uint32_t f = floor_index(t, __float_as_uint(y));
+    return f + (t.mid[f] < y ? 1u : 0u);
+}
+
+// The exact path: any value (NaN, infinity, beyond the table's range), through the lookup table.
+__device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint32_t* lookup, float x, float scale,
+                                                bool stochastic, uint32_t r) {
+    const float y = x * scale;
+    const uint32_t n = q8_quantize_scaled(y, lookup);
+    return stochastic ? q8_round_stochastic(y, n, t.code, r) : n;
+}
+
 // ------------------------------------------------------------------ fused 8-bit step
+// Per tile, each thread's 8 values: dequantize (one shared read each), the rule, then per state the
+// new block maximum (integer max of |x|'s bits across the T threads of the block), the stored maximum,
+// and each value's code from one row read and one pair read (round_stochastic_by_table). A block whose
+// maximum is not finite takes the exact path, as does a map without a table.
+constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
+
 template <class Rule, class P, class G>
-__global__ void step_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __launch_bounds__(512, 1) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
     if (list_skipped(list)) return;
-    __shared__ float s_code[K][256];
-    __shared__ FastMap s_fast[K];
-    __shared__ float red[1024 / 32];
-    bool fast[K];
+    Q8_DYNAMIC_SHARED(FloorTable, tab);  // K tables
+    __shared__ uint32_t red[1024 / 32];
+    bool table[K];
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-        for (int i = threadIdx.x; i < 256; i += blockDim.x) s_code[k][i] = list.code[k][i];
-        fast[k] = load_search(list.lookup[k], s_fast[k]);
-    }
+    for (int k = 0; k < K; ++k) table[k] = load_table(list, k, tab[k]);
     __syncthreads();
 
-    const int t = list_tensor(list);
-    const StepSlot& a = list.slot[t];
-    P* param = static_cast<P*>(a.param);
-    const G* grad = static_cast<const G*>(a.grad);
-    const int T = list.threads_per_qblock, block_size = list.block_size;
-    const int64_t numel = a.numel;
-    const int64_t qblock = (int64_t)(blockIdx.x - list.first_cta[t]) * (blockDim.x / T) + threadIdx.x / T;
-    const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % T) * kElems;
-    const bool live = start < numel;  // the last CTA of a tensor may hold blocks past its end
-    const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
+    const int T = list.threads_per_qblock, block_shift = list.block_shift;
+    for_each_tile(list, [&](const StepSlot& a, int64_t tile_start) {
+        P* param = static_cast<P*>(a.param);
+        const G* grad = static_cast<const G*>(a.grad);
+        const int64_t numel = a.numel;
+        const int64_t start = tile_start + (int64_t)threadIdx.x * kElems;
+        const int64_t qblock = start >> block_shift;
+        const bool live = start < numel;  // a tensor's last tile may reach past its end
+        const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
+        int8_t* corr = a.correction ? a.correction + start : nullptr;
 
-    float p[kElems], g[kElems], s[K][kElems];
+        float p[kElems], g[kElems], s[K][kElems];
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-        p[i] = g[i] = 0.0f;
+        for (int i = 0; i < kElems; ++i) {
+            p[i] = g[i] = 0.0f;
 #pragma unroll
-        for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
-    }
-    if (live) {
-        load_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr);
-        load8(grad + start, g, cnt, a.align_grad);
+            for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
+        }
+        if (live) {
+            load_param8(param + start, p, cnt, a.align_param, corr);
+            load8(grad + start, g, cnt, a.align_grad);
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                uint32_t c[kElems];
+                load_bits8(static_cast<const uint8_t*>(a.state[k]) + start, c, cnt, a.align_state);
+                const float am = q8_absmax_load(a.absmax[k][qblock]);
+#pragma unroll
+                for (int i = 0; i < kElems; ++i) s[k][i] = tab[k].code[c[i]] * am;
+            }
+            apply_rule(rule, p, g, s);
+            store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
+        }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
-            uint32_t c[kElems];
-            load_bits8(static_cast<const uint8_t*>(a.state[k]) + start, c, cnt, a.align_state);
-            const float am = q8_absmax_load(a.absmax[k][qblock]);
+            uint32_t local = 0u;
 #pragma unroll
-            for (int i = 0; i < kElems; ++i) s[k][i] = s_code[k][c[i]] * am;
-        }
-        apply_rule(rule, p, g, s);
-        store_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr,
-                     list.stochastic, a.sr_key, a.sr_index + start);
-    }
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-        float local = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kElems; ++i)
-            if (i < cnt) local = q8_absmax_step(local, s[k][i]);
-        // every thread takes part (shuffles, barriers); each rounds the same maximum the same way
-        const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
-        if (!live) continue;
-        if (threadIdx.x % T == 0) a.absmax[k][qblock] = stored;
-        const float absmax = q8_absmax_load(stored);
-        const float scale = q8_block_scale(absmax);
-        uint32_t idx[kElems];
-#pragma unroll
-        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(s[k][i], scale, fast[k], s_fast[k], list.lookup[k]);
-        if (list.stochastic_states[k]) {
+            for (int i = 0; i < kElems; ++i) {
+                const uint32_t b = __float_as_uint(s[k][i]) & 0x7FFFFFFFu;
+                if (i < cnt && b > local) local = b;
+            }
+            // every thread takes part (shuffles, barriers); each rounds the same maximum the same way
+            const uint32_t maxbits = qblock_maxbits(local, T, red);
+            const uint16_t stored = q8_absmax_store(__uint_as_float(maxbits));
+            if (!live) continue;
+            if ((threadIdx.x & (T - 1)) == 0) a.absmax[k][qblock] = stored;
+            const float absmax = q8_absmax_load(stored);
+            const float scale = q8_block_scale(absmax);
+            const bool sr = list.stochastic_states[k];
             const uint32_t key = q8_state_key(a.sr_key, k);
+            const uint32_t index = (uint32_t)(a.sr_index + start);
+            uint32_t idx[kElems];
+            if (table[k] && maxbits < 0x7F800000u && sr) {
 #pragma unroll
-            for (int i = 0; i < kElems; ++i)
-                idx[i] = q8_round_stochastic(s[k][i] * scale, idx[i], s_code[k],
-                                             q8_sr_bits(key, (uint32_t)(a.sr_index + start + i)));
-        }
-        store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
-        if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on
-            double err = 0.0, mag = 0.0, zeroed = 0.0;
+                for (int i = 0; i < kElems; ++i)
+                    idx[i] = round_stochastic_by_table(tab[k], table_scaled(s[k][i], scale), q8_sr_bits(key, index + i));
+            } else if (table[k] && maxbits < 0x7F800000u) {
 #pragma unroll
-            for (int i = 0; i < kElems; ++i)
-                if (i < cnt) {
-                    const float back = s_code[k][idx[i]] * absmax;
-                    err += fabs((double)back - (double)s[k][i]);
-                    mag += fabs((double)s[k][i]);
-                    zeroed += back == 0.0f && s[k][i] != 0.0f ? 1.0 : 0.0;
-                }
-            double* sums = a.error_sums + Q8_TELEMETRY_SUMS * k;
-            atomicAdd(sums, err);
-            atomicAdd(sums + 1, mag);
-            atomicAdd(sums + 2, zeroed);
+                for (int i = 0; i < kElems; ++i) idx[i] = round_nearest_by_table(tab[k], table_scaled(s[k][i], scale));
+            } else {
+#pragma unroll
+                for (int i = 0; i < kElems; ++i)
+                    idx[i] = round_exact(tab[k], list.lookup[k], s[k][i], scale, sr,
+                                         sr ? q8_sr_bits(key, index + i) : 0u);
+            }
+            store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
+            if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on
+                double err = 0.0, mag = 0.0, zeroed = 0.0;
+#pragma unroll
+                for (int i = 0; i < kElems; ++i)
+                    if (i < cnt) {
+                        const float back = tab[k].code[idx[i]] * absmax;
+                        err += fabs((double)back - (double)s[k][i]);
+                        mag += fabs((double)s[k][i]);
+                        zeroed += back == 0.0f && s[k][i] != 0.0f ? 1.0 : 0.0;
+                    }
+                double* sums = a.error_sums + Q8_TELEMETRY_SUMS * k;
+                atomicAdd(sums, err);
+                atomicAdd(sums + 1, mag);
+                atomicAdd(sums + 2, zeroed);
+            }
         }
-    }
+    });
 }
 
 // ------------------------------------------------------------------ fused step of 4-bit Adam state
@@ -429,103 +515,116 @@ __device__ __forceinline__ void store_nibbles8(uint8_t* p, const uint32_t (&c)[k
         if (2 * j < cnt) p[j] = (uint8_t)(c[2 * j] | (2 * j + 1 < cnt ? c[2 * j + 1] << 4 : 0u));
 }
 
+// q8_count_below_n(mid, n, y) for n <= 15 sorted boundaries padded to 16 with +infinity: a branch-free
+// binary search, 4 reads instead of n comparisons; NaN counts past every boundary.
+__device__ __forceinline__ uint32_t count_below16(const float* mid16, int n, float y) {
+    uint32_t c = 0;
+#pragma unroll
+    for (int step = 8; step > 0; step /= 2) c += mid16[c + step - 1] < y ? (uint32_t)step : 0u;
+    return y != y ? (uint32_t)n : c;
+}
+
 template <class Rule, class P, class G>
-__global__ void step4_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __launch_bounds__(512, 1) step4_kernel(const __grid_constant__ StepList list, const Rule rule) {
     if (list_skipped(list)) return;
     __shared__ float s_maps[kFourMaps];
+    __shared__ float s_mid[2][16];  // m's 14 and v's 15 boundaries, each padded with +infinity
     __shared__ float red[1024 / 32];
     for (int i = threadIdx.x; i < kFourMaps; i += blockDim.x) s_maps[i] = list.code[0][i];
+    for (int i = threadIdx.x; i < 32; i += blockDim.x) {
+        const int j = i % 16, n = i < 16 ? 14 : 15, at = i < 16 ? 15 : 45;
+        s_mid[i / 16][j] = j < n ? list.code[0][at + j] : INFINITY;
+    }
     __syncthreads();
     const Q8Four f{s_maps, s_maps + 15, s_maps + 29, s_maps + 45};
+    const int T = list.threads_per_qblock, block_shift = list.block_shift;
 
-    const int t = list_tensor(list);
-    const StepSlot& a = list.slot[t];
-    P* param = static_cast<P*>(a.param);
-    const G* grad = static_cast<const G*>(a.grad);
-    uint8_t* m_bytes = static_cast<uint8_t*>(a.state[0]);
-    uint8_t* v_bytes = static_cast<uint8_t*>(a.state[1]);
-    float* v_max = reinterpret_cast<float*>(a.absmax[1]);  // float32 maxima (launch_lists)
-    const int T = list.threads_per_qblock, block_size = list.block_size;
-    const int64_t numel = a.numel;
-    const int64_t qblock = (int64_t)(blockIdx.x - list.first_cta[t]) * (blockDim.x / T) + threadIdx.x / T;
-    const int64_t start = qblock * block_size + (int64_t)(threadIdx.x % T) * kElems;
-    const bool live = start < numel;
-    const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
+    for_each_tile(list, [&](const StepSlot& a, int64_t tile_start) {
+        P* param = static_cast<P*>(a.param);
+        const G* grad = static_cast<const G*>(a.grad);
+        uint8_t* m_bytes = static_cast<uint8_t*>(a.state[0]);
+        uint8_t* v_bytes = static_cast<uint8_t*>(a.state[1]);
+        float* v_max = reinterpret_cast<float*>(a.absmax[1]);  // float32 maxima (launch_lists)
+        const int64_t numel = a.numel;
+        const int64_t start = tile_start + (int64_t)threadIdx.x * kElems;
+        const int64_t qblock = start >> block_shift;
+        const bool live = start < numel;
+        const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
+        int8_t* corr = a.correction ? a.correction + start : nullptr;
 
-    float p[kElems], g[kElems], s[2][kElems];
+        float p[kElems], g[kElems], s[2][kElems];
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) p[i] = g[i] = s[0][i] = s[1][i] = 0.0f;
-    if (live) {
-        load_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr);
-        load8(grad + start, g, cnt, a.align_grad);
-        uint32_t cm[kElems], cv[kElems];
-        load_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
-        load_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
-        const float m_absmax = q8_absmax_load(a.absmax[0][qblock]), vm = v_max[qblock];
+        for (int i = 0; i < kElems; ++i) p[i] = g[i] = s[0][i] = s[1][i] = 0.0f;
+        if (live) {
+            load_param8(param + start, p, cnt, a.align_param, corr);
+            load8(grad + start, g, cnt, a.align_grad);
+            uint32_t cm[kElems], cv[kElems];
+            load_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
+            load_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
+            const float m_absmax = q8_absmax_load(a.absmax[0][qblock]), vm = v_max[qblock];
+#pragma unroll
+            for (int i = 0; i < kElems; ++i) {
+                s[1][i] = f.v_map[cv[i]] * vm;
+                s[0][i] = (f.m_map[cm[i]] * m_absmax) * sqrtf(s[1][i]);
+            }
+            apply_rule(rule, p, g, s);
+            store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
+        }
+        float local = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kElems; ++i)
+            if (i < cnt) local = q8_absmax_step(local, s[1][i]);
+        const float vmax = qblock_absmax(local, T, red);  // every thread takes part
+        const float vs = q8_block_scale(vmax);
+        uint32_t cv[kElems], cm[kElems];
+        float r[kElems];
+        local = 0.0f;
 #pragma unroll
         for (int i = 0; i < kElems; ++i) {
-            s[1][i] = f.v_map[cv[i]] * vm;
-            s[0][i] = (f.m_map[cm[i]] * m_absmax) * sqrtf(s[1][i]);
+            cv[i] = count_below16(s_mid[1], 15, s[1][i] * vs);
+            const float root = sqrtf(f.v_map[cv[i]] * vmax);
+            const float q = s[0][i] / root;
+            r[i] = root > 0.0f ? q : 0.0f;
+            if (i < cnt) local = q8_absmax_step(local, r[i]);
         }
-        apply_rule(rule, p, g, s);
-        store_param8(param + start, p, cnt, a.align_param, a.correction ? a.correction + start : nullptr,
-                     list.stochastic, a.sr_key, a.sr_index + start);
-    }
-    float local = 0.0f;
+        const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
+        if (!live) return;  // after the last reduction
+        if ((threadIdx.x & (T - 1)) == 0) {
+            a.absmax[0][qblock] = stored;
+            v_max[qblock] = vmax;
+        }
+        const float ms = q8_block_scale(q8_absmax_load(stored));
 #pragma unroll
-    for (int i = 0; i < kElems; ++i)
-        if (i < cnt) local = q8_absmax_step(local, s[1][i]);
-    const float vmax = qblock_absmax(local, T, red);  // every thread takes part
-    const float vs = q8_block_scale(vmax);
-    uint32_t cv[kElems], cm[kElems];
-    float r[kElems];
-    local = 0.0f;
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-        cv[i] = q8_count_below_n(f.v_mid, 15, s[1][i] * vs);
-        const float root = sqrtf(f.v_map[cv[i]] * vmax);
-        const float q = s[0][i] / root;
-        r[i] = root > 0.0f ? q : 0.0f;
-        if (i < cnt) local = q8_absmax_step(local, r[i]);
-    }
-    const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
-    if (!live) return;  // after the last reduction
-    if (threadIdx.x % T == 0) {
-        a.absmax[0][qblock] = stored;
-        v_max[qblock] = vmax;
-    }
-    const float ms = q8_block_scale(q8_absmax_load(stored));
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) cm[i] = q8_count_below_n(f.m_mid, 14, r[i] * ms);
-    store_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
-    store_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
+        for (int i = 0; i < kElems; ++i) cm[i] = count_below16(s_mid[0], 14, r[i] * ms);
+        store_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
+        store_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
+    });
 }
 
 // ------------------------------------------------------------------ fused step on float32 states
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): 8 values per
-// thread, kFp32Threads threads per CTA, no maps and no block maxima.
-constexpr int kFp32Threads = 256;
-
+// thread, no maps and no block maxima.
 template <class Rule, class P, class G>
-__global__ void step_fp32_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __launch_bounds__(kStepThreads) step_fp32_kernel(const __grid_constant__ StepList list,
+                                                                 const Rule rule) {
     constexpr int K = Rule::kStates;
     if (list_skipped(list)) return;
-    const int t = list_tensor(list);
-    const StepSlot& a = list.slot[t];
-    const int64_t start = ((int64_t)(blockIdx.x - list.first_cta[t]) * blockDim.x + threadIdx.x) * kElems;
-    if (start >= a.numel) return;
-    const int cnt = (int)(a.numel - start < kElems ? a.numel - start : kElems);
-    P* param = static_cast<P*>(a.param);
-    float p[kElems], g[kElems], s[K][kElems];
-    int8_t* corr = a.correction ? a.correction + start : nullptr;
-    load_param8(param + start, p, cnt, a.align_param, corr);
-    load8(static_cast<const G*>(a.grad) + start, g, cnt, a.align_grad);
+    for_each_tile(list, [&](const StepSlot& a, int64_t tile_start) {
+        const int64_t start = tile_start + (int64_t)threadIdx.x * kElems;
+        if (start >= a.numel) return;
+        const int cnt = (int)(a.numel - start < kElems ? a.numel - start : kElems);
+        P* param = static_cast<P*>(a.param);
+        float p[kElems], g[kElems], s[K][kElems];
+        int8_t* corr = a.correction ? a.correction + start : nullptr;
+        load_param8(param + start, p, cnt, a.align_param, corr);
+        load8(static_cast<const G*>(a.grad) + start, g, cnt, a.align_grad);
 #pragma unroll
-    for (int k = 0; k < K; ++k) load8(static_cast<const float*>(a.state[k]) + start, s[k], cnt, a.align_state);
-    apply_rule(rule, p, g, s);
-    store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
+        for (int k = 0; k < K; ++k) load8(static_cast<const float*>(a.state[k]) + start, s[k], cnt, a.align_state);
+        apply_rule(rule, p, g, s);
+        store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
 #pragma unroll
-    for (int k = 0; k < K; ++k) store8(static_cast<float*>(a.state[k]) + start, s[k], cnt, a.align_state);
+        for (int k = 0; k < K; ++k) store8(static_cast<float*>(a.state[k]) + start, s[k], cnt, a.align_state);
+    });
 }
 
 // ------------------------------------------------------------------ (de)quantize
@@ -595,25 +694,41 @@ int min_alignment(int a, int b) { return a < b ? a : b; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Launches one kernel per kListTensors tensors of the batch (tensors without elements are left
-// out). `ctas_of(t)` is the number of CTAs of tensor t, `fill(slot, t)` its slot beyond the pointers
-// common to both kernels.
-template <class Kernel, class Rule, class Ctas>
-void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& rule, int threads, Ctas ctas_of) {
+// The persistent grid of a step kernel: as many CTAs as the device holds at once (its multiprocessors
+// times the kernel's occupancy at `threads` and `smem`), fewer when there are fewer tiles. Kernels whose
+// shared memory exceeds the default 48 KiB are allowed it first.
+template <class Kernel>
+int64_t resident_ctas(Kernel kernel, int threads, size_t smem) {
+    int device = 0, sms = 0, per_sm = 0;
+    C10_CUDA_CHECK(cudaGetDevice(&device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (smem > 48 * 1024)
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+    TORCH_CHECK(per_sm > 0, "a step kernel of ", threads, " threads and ", smem, " bytes of shared memory does not "
+                "fit a multiprocessor of this device");
+    return (int64_t)sms * per_sm;
+}
+
+// Launches one kernel per kListTensors tensors of the batch (tensors without elements are left out),
+// each over tiles of threads * kElems elements, on min(tiles, resident CTAs) persistent CTAs.
+template <class Kernel, class Rule>
+void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& rule, int threads, size_t smem) {
     constexpr int K = Rule::kStates;
     auto stream = c10::cuda::getCurrentCUDAStream();
+    const int64_t tile = (int64_t)threads * kElems, grid = resident_ctas(kernel, threads, smem);
     const size_t n = b.params.size();
     size_t t = 0;
     while (t < n) {
         list.count = 0;
-        int64_t ctas = 0;
+        int64_t tiles = 0;
         for (; t < n && list.count < kListTensors; ++t) {
             const int64_t numel = b.params[t].numel();
             if (numel == 0) continue;
-            const int64_t c = ctas_of(numel);
-            TORCH_CHECK_VALUE(c < INT32_MAX, "tensor ", t, " (", numel, " elements) needs more CUDA blocks than one "
+            const int64_t c = ceil_div(numel, tile);
+            TORCH_CHECK_VALUE(c < INT32_MAX, "tensor ", t, " (", numel, " elements) needs more tiles than one "
                               "launch holds");
-            if (ctas + c > INT32_MAX) break;  // the next launch takes it
+            if (tiles + c > INT32_MAX) break;  // the next launch takes it
             StepSlot& s = list.slot[list.count];
             s = StepSlot{};
             s.param = b.params[t].data_ptr();
@@ -636,12 +751,12 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
             }
             if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
             if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
-            list.first_cta[list.count++] = (int32_t)ctas;
-            ctas += c;
+            list.first_tile[list.count++] = (int32_t)tiles;
+            tiles += c;
         }
         if (list.count == 0) continue;
-        list.first_cta[list.count] = (int32_t)ctas;
-        Q8_LAUNCH(kernel, (unsigned)ctas, threads, stream, list, rule);
+        list.first_tile[list.count] = (int32_t)tiles;
+        Q8_LAUNCH(kernel, (unsigned)(tiles < grid ? tiles : grid), threads, smem, stream, list, rule);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
 }
@@ -656,20 +771,17 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     list.stochastic = b.stochastic;
     for (int k = 0; k < Q8_MAX_STATES; ++k) list.stochastic_states[k] = b.stochastic_states[k];
     if (b.fp32_states) {
-        const int64_t per_cta = (int64_t)kFp32Threads * kElems;
-        launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kFp32Threads,
-                     [per_cta](int64_t numel) { return ceil_div(numel, per_cta); });
+        launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kStepThreads, 0);
         return;
     }
-    const Geometry geo = geometry(1, b.block_size);
-    list.block_size = (int32_t)b.block_size;
-    list.threads_per_qblock = geo.threads_per_qblock;
-    const int64_t bs = b.block_size, qpc = geo.qblocks_per_cta;
+    const int T = (int)(b.block_size / kElems), threads = T > kStepThreads ? T : kStepThreads;
+    list.block_shift = 0;
+    while ((int64_t)1 << list.block_shift < b.block_size) ++list.block_shift;  // a power of two (checked)
+    list.threads_per_qblock = T;
     if (b.four_bit) {  // Adam's rules only (the binding checks): no other rule's kernel is compiled
         if constexpr (std::is_same<Rule, AdamRule<true>>::value || std::is_same<Rule, AdamRule<false>>::value) {
             list.code[0] = b.four_maps.data_ptr<float>();
-            launch_lists(b, list, step4_kernel<Rule, P, G>, rule, geo.threads,
-                         [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
+            launch_lists(b, list, step4_kernel<Rule, P, G>, rule, threads, 0);
         }
         return;
     }
@@ -677,9 +789,9 @@ void launch_step(const StepBatch& b, const Rule& rule) {
         list.code[k] = b.maps[k].data_ptr<float>();
         list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
     }
-    launch_lists(b, list, step_kernel<Rule, P, G>, rule, geo.threads,
-                 [bs, qpc](int64_t numel) { return ceil_div(ceil_div(numel, bs), qpc); });
+    launch_lists(b, list, step_kernel<Rule, P, G>, rule, threads, K * sizeof(FloorTable));
 }
+
 
 template <class Rule>
 bool launch_dtypes(const StepBatch& b, const Rule& rule) {
@@ -728,7 +840,7 @@ void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, c
     auto stream = c10::cuda::getCurrentCUDAStream();
     const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
-    Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, stream,                                     \
+    Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, 0, stream,                                     \
         reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax), lk, n,     \
         (int)block_size, geo.threads_per_qblock, x_align, codes_align)
     switch (x.scalar_type()) {
@@ -751,7 +863,7 @@ void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at
     const int out_align = alignment(out.data_ptr()), codes_align = alignment(codes.data_ptr());
     auto stream = c10::cuda::getCurrentCUDAStream();
 #define Q8_DEQUANTIZE(T)                                                                                     \
-    Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, stream,                                           \
+    Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, 0, stream,                                           \
         reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax),               \
         code.data_ptr<float>(), n, (int)block_size, out_align, codes_align)
     switch (out.scalar_type()) {
