@@ -31,17 +31,10 @@ OUT=${OUT:-out/gpu_check}
 N=${N:-1500000000}
 BUDGET_S=${BUDGET_S:-480}
 DRY_RUN=${DRY_RUN:-0}
-WHEELS=${WHEELS-.whl}  # the wheels to install first; WHEELS= installs none
-source launch/python.sh  # PY: PYTHON, the active or .venv environment, else python3
+source launch/gpu_env.sh  # PY, TORCH_EXTENSIONS_DIR, CUDA_HOME, WHEELS and install_wheels
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)  # stage logs and JSON: packed into $OUT/logs.tar.gz at the end
-export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
-if [ -z "${CUDA_HOME:-}" ]; then
-    CUDA_HOME=$("$PY" ds_q8/op_builder/toolkit.py 2>/dev/null || true)
-    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-fi
 start=$(date +%s)
 failed=0
 stopped=0
@@ -102,11 +95,10 @@ stage() {
     return $rc
 }
 
-if [ "$DRY_RUN" != 1 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_q8_site \
-        "$WHEELS"/*.whl > "$WORK/wheels.log" 2>&1 || { echo "STOP preflight: installing $WHEELS/ failed (see wheels.log)"
-                                                 stopped=1; exit 2; }
-    export PYTHONPATH=/tmp/ds_q8_site${PYTHONPATH:+:$PYTHONPATH}
+if [ "$DRY_RUN" != 1 ] && ! install_wheels "$WORK/wheels.log"; then
+    echo "STOP preflight: installing $WHEELS/ failed (see wheels.log)"
+    stopped=1
+    exit 2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 

@@ -25,7 +25,7 @@ def use_cuda_home() -> Optional[str]:
     return home
 
 
-def _plain_arch_list(value: str) -> str:
+def plain_arch_list(value: str) -> str:
     """TORCH_CUDA_ARCH_LIST with each ``X.Ya``/``X.Yf`` entry written ``X.Y`` (``+PTX`` kept), duplicates
     dropped in order; ``9.0a;8.0+PTX`` -> ``9.0;8.0+PTX``. Entries it does not recognise stay as they are."""
     out = []
@@ -72,7 +72,7 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         its plain ``X.Y`` (the same machine code runs on the ``a``/``f`` device)."""
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if arch:
-            plain = _plain_arch_list(arch)
+            plain = plain_arch_list(arch)
             if plain != arch:
                 self.warning(f"{self.name}: TORCH_CUDA_ARCH_LIST={arch!r} is built as {plain!r} (the kernels "
                              "need no architecture-specific instruction)")
