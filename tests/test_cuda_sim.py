@@ -374,19 +374,22 @@ PLANTED = {
 
 
 def planted_copy() -> str:
-    """The .cu with every planted bug behind its switch, at a stable path (so its builds are cached)."""
-    with open(sim_op.CU) as f:
-        source = f.read()
-    for n, (_, what, old, new, _, _) in PLANTED.items():
-        assert source.count(old) == 1, f"planted bug {n} ({what}): its text is no longer in the .cu once"
-        source = source.replace(old, new)
+    """The device code with every planted bug behind its switch, at a stable path (so its builds are
+    cached); returns the copy of q8_cuda_kernels.cu, beside the copies of the files it includes."""
     folder = os.path.join(sim_op.build_dir(), "ds_q8_cuda_sim_planted")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "q8_cuda_kernels.cu")
-    if not os.path.exists(path) or open(path).read() != source:
-        with open(path, "w") as f:
-            f.write(source)
-    return path
+    sources = {os.path.basename(p): open(p).read() for p in sim_op.device_sources(os.path.dirname(sim_op.CU))}
+    for n, (_, what, old, new, _, _) in PLANTED.items():
+        holders = [name for name, text in sources.items() if text.count(old) == 1]
+        assert len(holders) == 1 and sum(t.count(old) for t in sources.values()) == 1, \
+            f"planted bug {n} ({what}): its text is no longer in the device code once"
+        sources[holders[0]] = sources[holders[0]].replace(old, new)
+    for name, text in sources.items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, "w") as f:
+                f.write(text)
+    return os.path.join(folder, "q8_cuda_kernels.cu")
 
 
 def _run_planted(build, bug, select):

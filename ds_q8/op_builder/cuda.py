@@ -41,6 +41,10 @@ def plain_arch_list(value: str) -> str:
     return ";".join(out)
 
 
+#: the step's translation units (kStepParts in csrc/cuda/q8_cuda_step.cuh)
+STEP_PARTS = 4
+
+
 class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
     NAME = "_q8_cuda"
     DESCRIPTION = ("ds_q8 CUDA kernels", "a few minutes")
@@ -50,7 +54,9 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
+        # the rules' kernels come in several translation units, which a build compiles side by side
+        return ([csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
+                + [csrc("cuda", f"q8_cuda_step_{n}.cu") for n in range(STEP_PARTS)])
 
     def cxx_args(self):
         # the host C++ file builds lookup tables: no FMA contraction there either, as in the CPU op

@@ -272,7 +272,7 @@ inline void* dynamic_shared() { return dynamic_buffer.data(); }
 // 0xFF in every byte of every __shared__ variable and of the dynamic shared memory: a float read
 // before a write is NaN.
 __attribute__((no_sanitize("address"))) inline void poison_shared() {
-    std::memset(dynamic_buffer.data(), 0xFF, dynamic_buffer.size() * sizeof(uint4));
+    if (!dynamic_buffer.empty()) std::memset(dynamic_buffer.data(), 0xFF, dynamic_buffer.size() * sizeof(uint4));
     if (__start_q8sim_shared == nullptr) return;
     for (volatile char* p = __start_q8sim_shared; p < __stop_q8sim_shared; ++p) *p = (char)0xFF;
 }
