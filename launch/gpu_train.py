@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--cpu", action="store_true", help="run on DeepSpeed's CPU accelerator (small models, to try "
                     "the stage without a GPU); without it the stage stops when no GPU is visible")
     ap.add_argument("--dry-run", action="store_true", help="print the plan; run nothing")
+    ap.add_argument("--build-only", action="store_true", help="build the ops the rows need and stop (an earlier "
+                    "call on the same machine then leaves the rows their whole budget)")
     args = ap.parse_args(argv)
     known = {r.name for r in ROWS}
     args.rows = [r for r in args.rows.split(",") if r]
@@ -403,6 +405,8 @@ def main(argv=None) -> int:
         stage.write()
         ops = {op_of(r) for r in rows if not unavailable(r)} - {None}
         build_errors = build(stage, ops | ({"ShareMemComm"} if device == "cpu" else set()), device)
+        if args.build_only:
+            return 1 if any(build_errors.values()) else 0
         for i, row in enumerate(rows):
             run_row(stage, row, i, len(rows) - i, build_errors)
         compare(stage)
