@@ -300,7 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), skip, params_sr, states_sr);
     m.def("step_many", &ds_q8::step_many,
-          "fused 8-bit step of many tensors, in place: one launch per 32 tensors; nothing is written when "
+          "fused 8-bit step of many tensors, in place: one launch for all of them; nothing is written when "
           "skip (one int32 on the device) is non-zero; corrections: each bf16 param's correction bytes, or none",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"),
           arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr, states_sr,
@@ -310,7 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
           skip, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("step4_many", &ds_q8::step4_many,
-          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors, in place: one launch per 32 tensors",
+          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors, in place: one launch for all of them",
           arg("rule"), arg("params"), arg("grads"), arg("m_codes"), arg("v_codes"), arg("m_absmax"), arg("v_max"),
           arg("maps"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr,
           arg("corrections") = std::vector<torch::Tensor>{});

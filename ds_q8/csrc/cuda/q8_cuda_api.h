@@ -46,7 +46,7 @@ struct StepBatch {
     at::Tensor four_maps;
 };
 
-// Launches on the current stream: one kernel per group of up to 32 tensors.
+// Launches on the current stream: one kernel for every tensor of the batch.
 void cuda_step_many(const StepBatch& batch, const std::map<std::string, double>& hyper);
 // the map itself is not needed: the lookup tensor (built from it) gives each value's nearest entry
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,

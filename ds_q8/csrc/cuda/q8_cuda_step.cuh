@@ -5,7 +5,7 @@
 // the parameter and gradient, 8 bytes of codes per state), so a quantization block of block_size
 // elements is handled by T = block_size / 8 threads and a CUDA block of max(T, 256) threads holds
 // one or more whole quantization blocks. The step kernels are persistent: a grid of as many CTAs as
-// the device holds at once walks the tiles (one CTA's elements) of up to 32 tensors, so each CTA
+// the device holds at once walks the tiles (one CTA's elements) of every tensor of a call, so each CTA
 // loads its tables into shared memory once. The state never leaves registers: dequantize, update,
 // reduce the new absmax across the T threads (warp shuffles, then shared memory when T > 32),
 // requantize (one row read and one pair read of q8_floortable.h per value) and store. The lookup
@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cstring>
 #include <map>
 #include <string>
 #include <type_traits>
@@ -238,14 +239,11 @@ __device__ __forceinline__ uint32_t qblock_maxbits(uint32_t local, int T, uint32
 }
 
 // ------------------------------------------------------------------ tensor lists
-// A step launch covers up to kListTensors tensors, as torch's multi_tensor_apply does: the per-tensor
-// pointers travel in the kernel's parameter block (__grid_constant__, so that indexing it by the
-// tensor reads the parameter space instead of copying it to the stack). Each tensor is cut into tiles
-// of one CTA's elements (blockDim.x * kElems, whole quantization blocks), numbered across the list
-// (tensor t owns tiles first_tile[t] .. first_tile[t + 1] - 1), and the CTAs are persistent: each
-// loads its tables once and then walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ...
-constexpr int kListTensors = 32;
-
+// A step launch covers every tensor of a call, as torch's multi_tensor_apply covers dozens: a table of
+// per-tensor slots in device memory (uploaded by the launch, stream-ordered, from pinned memory). Each
+// tensor is cut into tiles of one CTA's elements (blockDim.x * kElems, whole quantization blocks),
+// numbered across the list (tensor t owns tiles first_tile[t] .. first_tile[t + 1] - 1), and the CTAs are
+// persistent: each loads its tables once and then walks the tiles blockIdx.x, blockIdx.x + gridDim.x, ...
 struct StepSlot {
     void* param;
     const void* grad;
@@ -255,9 +253,7 @@ struct StepSlot {
     int64_t sr_index;      // index of param[0] in its original parameter (stochastic rounding)
     uint32_t sr_key;
     int8_t* correction;    // null, or the bf16 param's correction bytes (q8_bf16_join / q8_bf16_split)
-    // byte alignments, capped at 16 (load_words); one byte each, so that 32 slots of Q8_MAX_STATES = 3
-    // states still fit the parameter block
-    uint8_t align_param, align_grad, align_state;
+    uint8_t align_param, align_grad, align_state;  // byte alignments, capped at 16 (load_words)
     double* error_sums;    // null, or per state k, at 3k: sum |requantized - x|, sum |x|, nonzero x requantized to 0
 };
 
@@ -265,13 +261,13 @@ struct StepList {
     const float* code[Q8_MAX_STATES];       // 8-bit states: the maps (4-bit: format4's 60 floats in code[0])
     const uint32_t* lookup[Q8_MAX_STATES];  // and their lookup tensors (kDeviceLookupSize words)
     const int32_t* skip;                    // null, or a device flag: non-zero means write nothing
-    int32_t block_shift, threads_per_qblock, count;  // log2 of the block size, T = block size / kElems
+    int32_t block_shift, threads_per_qblock;  // log2 of the block size, T = block size / kElems
+    int32_t count, tiles;                   // tensors and tiles of the launch
     bool stochastic;                        // 16-bit parameter writes rounded stochastically
     bool stochastic_states[Q8_MAX_STATES];  // 8-bit states requantized stochastically
-    int32_t first_tile[kListTensors + 1];
-    StepSlot slot[kListTensors];
+    const StepSlot* slot;                   // device memory: the tensors' slots,
+    const int32_t* first_tile;              // and their first tiles (count + 1 entries)
 };
-static_assert(sizeof(StepList) + 64 <= 4000, "a StepList (and the rule) must fit the 4 KiB parameter block");
 
 // Whether the step is to be skipped (a non-finite gradient found on the device): then no thread
 // writes anything. The same answer for every thread of the grid.
@@ -284,9 +280,8 @@ __device__ __forceinline__ bool list_skipped(const StepList& list) {
 template <class Body>
 __device__ __forceinline__ void for_each_tile(const StepList& list, Body body) {
     const int64_t tile_elems = (int64_t)blockDim.x * kElems;
-    const int total = list.first_tile[list.count];
     int t = 0;
-    for (int tile = (int)blockIdx.x; tile < total; tile += (int)gridDim.x) {
+    for (int tile = (int)blockIdx.x; tile < list.tiles; tile += (int)gridDim.x) {
         while (list.first_tile[t + 1] <= tile) ++t;
         body(list.slot[t], (int64_t)(tile - list.first_tile[t]) * tile_elems);
     }
@@ -368,7 +363,7 @@ __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint3
 constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
 
 template <class Rule, class P, class G>
-__global__ void __launch_bounds__(512, 1) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
     if (list_skipped(list)) return;
     Q8_DYNAMIC_SHARED(FloorTable, tab);  // K tables
@@ -637,55 +632,67 @@ int64_t resident_ctas(Kernel kernel, int threads, size_t smem) {
     return (int64_t)sms * per_sm;
 }
 
-// Launches one kernel per kListTensors tensors of the batch (tensors without elements are left out),
-// each over tiles of threads * kElems elements, on min(tiles, resident CTAs) persistent CTAs.
+// The slots and first tiles of a launch in device memory: one buffer, copied from pinned host memory on
+// the stream (the caching allocators keep both until the copy and the kernel are done).
+at::Tensor device_table(const std::vector<StepSlot>& slots, const std::vector<int32_t>& first, at::Device device) {
+    const size_t slot_bytes = slots.size() * sizeof(StepSlot), bytes = slot_bytes + first.size() * sizeof(int32_t);
+    auto host = at::empty({(int64_t)bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(!device.is_cpu()));
+    std::memcpy(host.data_ptr<uint8_t>(), slots.data(), slot_bytes);
+    std::memcpy(host.data_ptr<uint8_t>() + slot_bytes, first.data(), first.size() * sizeof(int32_t));
+    return device.is_cpu() ? host : host.to(device, at::kByte, /*non_blocking=*/true);
+}
+
+// Launches one kernel for every tensor of the batch (tensors without elements are left out), over tiles
+// of threads * kElems elements, on min(tiles, resident CTAs) persistent CTAs.
 template <class Kernel, class Rule>
 void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& rule, int threads, size_t smem) {
     constexpr int K = Rule::kStates;
-    auto stream = c10::cuda::getCurrentCUDAStream();
-    const int64_t tile = (int64_t)threads * kElems, grid = resident_ctas(kernel, threads, smem);
-    const size_t n = b.params.size();
-    size_t t = 0;
-    while (t < n) {
-        list.count = 0;
-        int64_t tiles = 0;
-        for (; t < n && list.count < kListTensors; ++t) {
-            const int64_t numel = b.params[t].numel();
-            if (numel == 0) continue;
-            const int64_t c = ceil_div(numel, tile);
-            TORCH_CHECK_VALUE(c < INT32_MAX, "tensor ", t, " (", numel, " elements) needs more tiles than one "
-                              "launch holds");
-            if (tiles + c > INT32_MAX) break;  // the next launch takes it
-            StepSlot& s = list.slot[list.count];
-            s = StepSlot{};
-            s.param = b.params[t].data_ptr();
-            s.grad = b.grads[t].data_ptr();
-            s.numel = numel;
-            s.align_param = (uint8_t)alignment(s.param);
-            s.align_grad = (uint8_t)alignment(s.grad);
-            s.align_state = 16;
-            for (int k = 0; k < K; ++k) {
-                s.state[k] = b.states[t][k].data_ptr();
-                s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
-                if (!b.absmax.empty())  // 4-bit state: the second moment's maxima are float32, carried as such
-                    s.absmax[k] = b.absmax[t][k].scalar_type() == at::kFloat
-                                      ? reinterpret_cast<uint16_t*>(b.absmax[t][k].data_ptr<float>())
-                                      : absmax_bits(b.absmax[t][k]);
-            }
-            if (b.has_keys) {
-                s.sr_key = (uint32_t)b.sr_keys[t];
-                s.sr_index = b.sr_index[t];
-            }
-            if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
-            if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
-            list.first_tile[list.count++] = (int32_t)tiles;
-            tiles += c;
+    static_assert(sizeof(StepSlot) % 8 == 0, "the first tiles follow the slots, 8-byte aligned");
+    const int64_t tile = (int64_t)threads * kElems;
+    std::vector<StepSlot> slots;
+    std::vector<int32_t> first;
+    int64_t tiles = 0;
+    for (size_t t = 0; t < b.params.size(); ++t) {
+        const int64_t numel = b.params[t].numel();
+        if (numel == 0) continue;
+        StepSlot s{};
+        s.param = b.params[t].data_ptr();
+        s.grad = b.grads[t].data_ptr();
+        s.numel = numel;
+        s.align_param = (uint8_t)alignment(s.param);
+        s.align_grad = (uint8_t)alignment(s.grad);
+        s.align_state = 16;
+        for (int k = 0; k < K; ++k) {
+            s.state[k] = b.states[t][k].data_ptr();
+            s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
+            if (!b.absmax.empty())  // 4-bit state: the second moment's maxima are float32, carried as such
+                s.absmax[k] = b.absmax[t][k].scalar_type() == at::kFloat
+                                  ? reinterpret_cast<uint16_t*>(b.absmax[t][k].data_ptr<float>())
+                                  : absmax_bits(b.absmax[t][k]);
         }
-        if (list.count == 0) continue;
-        list.first_tile[list.count] = (int32_t)tiles;
-        Q8_LAUNCH(kernel, (unsigned)(tiles < grid ? tiles : grid), threads, smem, stream, list, rule);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (b.has_keys) {
+            s.sr_key = (uint32_t)b.sr_keys[t];
+            s.sr_index = b.sr_index[t];
+        }
+        if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
+        if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
+        slots.push_back(s);
+        first.push_back((int32_t)tiles);
+        tiles += ceil_div(numel, tile);
+        TORCH_CHECK_VALUE(tiles < INT32_MAX, "the step's tensors need more than ", INT32_MAX, " tiles of ", tile,
+                          " elements: more than one launch holds");
     }
+    if (slots.empty()) return;
+    first.push_back((int32_t)tiles);
+    const at::Tensor table = device_table(slots, first, b.params[0].device());
+    list.slot = reinterpret_cast<const StepSlot*>(table.data_ptr<uint8_t>());
+    list.first_tile = reinterpret_cast<const int32_t*>(table.data_ptr<uint8_t>() + slots.size() * sizeof(StepSlot));
+    list.count = (int32_t)slots.size();
+    list.tiles = (int32_t)tiles;
+    const int64_t grid = resident_ctas(kernel, threads, smem);
+    Q8_LAUNCH(kernel, (unsigned)(tiles < grid ? tiles : grid), threads, smem, c10::cuda::getCurrentCUDAStream(),
+              list, rule);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <class Rule, class P, class G>
