@@ -97,8 +97,7 @@ int64_t floor_table_mismatches(const torch::Tensor& code, double limit) {
         for (int64_t k = begin; k < end; ++k) {
             const float y = value_at(k);
             while (n < 255 && mid[n] < y) ++n;
-            const uint32_t key = q8_key(y);
-            const uint32_t f = q8_floor_from_row((&t.row[0][0])[q8_floor_row(q8_bits(y))], key);
+            const uint32_t f = q8_floor_index(t, q8_bits(y));
             const uint32_t nearest = f + (t.mid[f] < y ? 1u : 0u);
             bool ok = nearest == (uint32_t)n;
             const bool up = y >= c[n];

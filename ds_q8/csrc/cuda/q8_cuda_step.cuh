@@ -153,7 +153,7 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[kElems], int cnt, i
     uint32_t b[kElems];
     load_bits8(p, b, cnt, align);
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) v[i] = i < cnt ? q8_to_float(elem_from_bits<T>(b[i])) : 0.0f;
+    for (int i = 0; i < kElems; ++i) v[i] = q8_to_float(elem_from_bits<T>(b[i]));  // load_bits8's 0 bits: 0.0
 }
 
 // 8 values rounded to T: to nearest, or stochastically with the bits of q8_sr_bits(key, index + i).
@@ -319,32 +319,37 @@ __device__ __forceinline__ bool load_table(const StepList& list, int k, FloorTab
     return table;
 }
 
-// The floor index F of a scaled value (its bits u; finite, |y| <= 1 + 2^-7, not -0.0) from one row read:
-// q8_floor_row and q8_floor_from_row, written so that the sign's shift serves the key and the row.
-__device__ __forceinline__ uint32_t floor_index(const FloorTable& t, uint32_t u) {
-    const uint32_t sign = (uint32_t)((int32_t)u >> 31);  // all ones for a negative value
-    const uint32_t key = u ^ (sign | 0x80000000u);       // q8_key
-    uint32_t mag = u & 0x7FFFFFFFu;
-    mag = mag > (kFloorRowLow << 16) ? mag : (kFloorRowLow << 16);
-    const uint32_t row = (mag >> 16) - kFloorRowLow + (~sign & (uint32_t)kFloorRows);  // negative rows first
-    return q8_floor_from_row((&t.row[0][0])[row], key);
-}
-
 // A value of a block that the table serves, scaled as the reference scales it (x * scale), as +0.0 for
 // -0.0 (an fma adding 0 rounds once, like the product alone).
 __device__ __forceinline__ float table_scaled(float x, float scale) { return __fmaf_rn(x, scale, 0.0f); }
 
+// F of a scaled value: q8_floor_index for a map of either kind, known here at compile time.
+template <bool kPositive>
+__device__ __forceinline__ uint32_t floor_index(const FloorTable& t, float y) {
+    return kPositive ? q8_floor_index_positive(t, __float_as_uint(y)) : q8_floor_index_signed(t, __float_as_uint(y));
+}
+
 // Its code rounded stochastically with random bits r (q8_floor_round): one row read, one pair read.
+template <bool kPositive>
 __device__ __forceinline__ uint32_t round_stochastic_by_table(const FloorTable& t, float y, uint32_t r) {
-    const uint32_t f = floor_index(t, __float_as_uint(y));
+    const uint32_t f = floor_index<kPositive>(t, y);
     const float2 pr = reinterpret_cast<const float2*>(t.pair)[f];
     return f + ((float)(r >> 8) * pr.y < y - pr.x ? 1u : 0u);
 }
 
 // Its nearest code (q8_floor_round): one row read, one midpoint read.
 __device__ __forceinline__ uint32_t round_nearest_by_table(const FloorTable& t, float y) {
-    const uint32_t f = floor_index(t, __float_as_uint(y));
+    const uint32_t f = q8_floor_index(t, __float_as_uint(y));
     return f + (t.mid[f] < y ? 1u : 0u);
+}
+
+// The 8 codes of a thread's values of one state, rounded stochastically by the table.
+template <bool kPositive>
+__device__ __forceinline__ void requantize_stochastic(const FloorTable& t, const float (&x)[kElems], float scale,
+                                                      uint32_t key, uint32_t index, uint32_t (&idx)[kElems]) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        idx[i] = round_stochastic_by_table<kPositive>(t, table_scaled(x[i], scale), q8_sr_bits(key, index + i));
 }
 
 // The exact path: any value (NaN, infinity, beyond the table's range), through the lookup table.
@@ -405,13 +410,20 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             apply_rule(rule, p, g, s);
             store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
         }
+        if (cnt < kElems) {  // a tensor's last pass: lanes past its end count for nothing in the maxima
+#pragma unroll
+            for (int i = 0; i < kElems; ++i)
+#pragma unroll
+                for (int k = 0; k < K; ++k)
+                    if (i >= cnt) s[k][i] = 0.0f;
+        }
 #pragma unroll
         for (int k = 0; k < K; ++k) {
             uint32_t local = 0u;
 #pragma unroll
             for (int i = 0; i < kElems; ++i) {
                 const uint32_t b = __float_as_uint(s[k][i]) & 0x7FFFFFFFu;
-                if (i < cnt && b > local) local = b;
+                local = b > local ? b : local;
             }
             // every thread takes part (shuffles, barriers); each rounds the same maximum the same way
             const uint32_t maxbits = qblock_maxbits(local, T, red);
@@ -424,11 +436,13 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             const uint32_t key = q8_state_key(a.sr_key, k);
             const uint32_t index = (uint32_t)(a.sr_index + start);
             uint32_t idx[kElems];
-            if (table[k] && maxbits < 0x7F800000u && sr) {
-#pragma unroll
-                for (int i = 0; i < kElems; ++i)
-                    idx[i] = round_stochastic_by_table(tab[k], table_scaled(s[k][i], scale), q8_sr_bits(key, index + i));
-            } else if (table[k] && maxbits < 0x7F800000u) {
+            // the state's kind of map is the rule's (kSigned); a map of the other kind takes the exact path
+            const bool positive = ((Rule::kSigned >> k) & 1u) == 0u;
+            const bool fast = table[k] && maxbits < 0x7F800000u && (tab[k].positive_only != 0u) == positive;
+            if (fast && sr) {
+                if (positive) requantize_stochastic<true>(tab[k], s[k], scale, key, index, idx);
+                else requantize_stochastic<false>(tab[k], s[k], scale, key, index, idx);
+            } else if (fast) {
 #pragma unroll
                 for (int i = 0; i < kElems; ++i) idx[i] = round_nearest_by_table(tab[k], table_scaled(s[k][i], scale));
             } else {

@@ -14,6 +14,7 @@
 // 2. Here, a functor next to the others:
 //      struct MyRule {
 //        static constexpr int kStates = 1 to Q8_MAX_STATES; // = len(Rule.state_names)
+//        static constexpr unsigned kSigned = ...;           // bit k set: Rule.state_signed[k]
 //        float lr, ...;                                 // step scalars, already float
 //        template <class Get> Q8_HOST explicit MyRule(Get get)
 //            : lr(q8_hyper(get, "lr")), ... {}          // names = keys of the class's _hyper() dict
@@ -426,6 +427,7 @@ Q8_HD float q8_sign(float x) { return (0.0f < x ? 1.0f : 0.0f) - (x < 0.0f ? 1.0
 template <bool kDecoupled>
 struct AdamRule {
     static constexpr int kStates = 2;
+    static constexpr unsigned kSigned = 0b01u;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size,
         inv_bias_correction2_sqrt;
     bool has_weight_decay;
@@ -459,6 +461,7 @@ struct AdamRule {
 // EMA), nu (second moment). beta3 and alpha are this step's values, scheduled in Python.
 struct AdEMAMixRule {
     static constexpr int kStates = 3;
+    static constexpr unsigned kSigned = 0b011u;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, beta3, one_minus_beta3, eps, decay_factor, alpha, lr,
         inv_bias_correction1, inv_bias_correction2_sqrt;
     bool has_weight_decay;
@@ -493,6 +496,7 @@ struct AdEMAMixRule {
 // torch.optim.SGD with momentum (ds_q8.optim.momentum.Momentum8bitBlock), state: momentum_buffer.
 struct MomentumRule {
     static constexpr int kStates = 1;
+    static constexpr unsigned kSigned = 0b1u;
     float lr, momentum, one_minus_dampening, weight_decay;
     bool has_weight_decay, nesterov, first_step;
 
@@ -518,6 +522,7 @@ struct MomentumRule {
 template <bool kMomentum>
 struct RMSpropRule {
     static constexpr int kStates = kMomentum ? 2 : 1;
+    static constexpr unsigned kSigned = kMomentum ? 0b10u : 0b0u;
     float lr, alpha, one_minus_alpha, eps, weight_decay, momentum;
     bool has_weight_decay;
 
@@ -547,6 +552,7 @@ struct RMSpropRule {
 // torch.optim.Adagrad (ds_q8.optim.adagrad.Adagrad8bitBlock), state: sum. clr is the decayed lr.
 struct AdagradRule {
     static constexpr int kStates = 1;
+    static constexpr unsigned kSigned = 0b0u;
     float clr, weight_decay, eps;
     bool has_weight_decay;
 
@@ -569,6 +575,7 @@ struct AdagradRule {
 // the first (norm) pass in Python, folded into step_size = lr * trust.
 struct LambRule {
     static constexpr int kStates = 2;
+    static constexpr unsigned kSigned = 0b01u;
     float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, step_size, inv_bias_correction1,
         inv_bias_correction2_sqrt;
     bool has_weight_decay;
@@ -600,6 +607,7 @@ struct LambRule {
 // LARS (ds_q8.optim.lars.LARS8bitBlock), state: momentum_buffer; trust_ratio from the norm pass.
 struct LarsRule {
     static constexpr int kStates = 1;
+    static constexpr unsigned kSigned = 0b1u;
     float lr, momentum, weight_decay, trust_ratio;
     bool has_weight_decay;
 
@@ -620,6 +628,7 @@ struct LarsRule {
 // Lion (ds_q8.optim.lion.Lion8bitBlock), state: exp_avg.
 struct LionRule {
     static constexpr int kStates = 1;
+    static constexpr unsigned kSigned = 0b1u;
     float lr, beta1, one_minus_beta1, beta2, one_minus_beta2, decay_factor;
     bool has_weight_decay;
 

@@ -44,7 +44,8 @@ struct FloorTable {
     float pair[256][2];
     float mid[256];   // mid[F]: the reference's midpoints (the zero point's is 0), mid[255] unused
     float code[256];  // the map itself, for dequantization
-    uint32_t pad[2];  // to whole 16-byte words
+    uint32_t positive_only;  // 1 when the map has no negative entry (q8_floor_index_positive serves it)
+    uint32_t pad;            // to whole 16-byte words
 };
 
 constexpr int kFloorWords = (int)(sizeof(FloorTable) / 4);
@@ -52,20 +53,37 @@ static_assert(sizeof(FloorTable) % 16 == 0, "a FloorTable must be whole 16-byte 
 
 namespace {
 
-// The row of a value (its bits u) in a table's 2 * kFloorRows entries, negative rows first.
-Q8_HD uint32_t q8_floor_row(uint32_t u) {
-    const uint32_t hi = (u & 0x7FFFFFFFu) >> 16;
-    const uint32_t r = (hi > kFloorRowLow ? hi : kFloorRowLow) - kFloorRowLow;
-    return (u >> 31 ? 0u : (uint32_t)kFloorRows) + r;
-}
-
 // F from a row entry and the value's key.
 Q8_HD uint32_t q8_floor_from_row(uint32_t entry, uint32_t key) { return (entry + (key & 0xFFFFu)) >> 16; }
+
+// F of a value y (its bits u; -0.0 made +0.0): its row among the 2 * kFloorRows (negative rows first),
+// written so that the sign's shift serves both the key and the row.
+Q8_HD uint32_t q8_floor_index_signed(const FloorTable& t, uint32_t u) {
+    const uint32_t sign = (uint32_t)((int32_t)u >> 31);  // all ones for a negative value
+    const uint32_t key = u ^ (sign | 0x80000000u);       // q8_key
+    uint32_t mag = u & 0x7FFFFFFFu;
+    mag = mag > (kFloorRowLow << 16) ? mag : (kFloorRowLow << 16);
+    const uint32_t row = (mag >> 16) - kFloorRowLow + (~sign & (uint32_t)kFloorRows);
+    return q8_floor_from_row((&t.row[0][0])[row], key);
+}
+
+// The same for a map without negative entries (positive_only), in fewer steps: every negative value has
+// F = 0, which the first positive row gives (it holds no threshold), so the clamp of u as a signed integer
+// sends negatives there, and for the rest the key's low 16 bits are u's own.
+Q8_HD uint32_t q8_floor_index_positive(const FloorTable& t, uint32_t u) {
+    const int32_t low = (int32_t)(kFloorRowLow << 16);
+    const uint32_t clamped = (uint32_t)((int32_t)u > low ? (int32_t)u : low);
+    return q8_floor_from_row(t.row[1][(clamped >> 16) - kFloorRowLow], u);
+}
+
+Q8_HD uint32_t q8_floor_index(const FloorTable& t, uint32_t u) {
+    return t.positive_only ? q8_floor_index_positive(t, u) : q8_floor_index_signed(t, u);
+}
 
 // The scalar form of the kernels' rounding (the CUDA step and the tests' exhaustive check): the code of
 // y (finite, |y| <= 1 + 2^-7, not -0.0) rounded to nearest, or stochastically with random bits r.
 Q8_HD uint32_t q8_floor_round(const FloorTable& t, float y, bool stochastic, uint32_t r) {
-    const uint32_t f = q8_floor_from_row((&t.row[0][0])[q8_floor_row(q8_bits(y))], q8_key(y));
+    const uint32_t f = q8_floor_index(t, q8_bits(y));
     if (!stochastic) return f + (t.mid[f] < y ? 1u : 0u);
     const float u = (float)(r >> 8) * t.pair[f][1];
     return f + (u < y - t.pair[f][0] ? 1u : 0u);
@@ -121,6 +139,7 @@ Q8_HOST inline bool q8_build_floortable(const float* code, FloorTable* out) {
     }
     out->pair[255][0] = code[255];  // never read: F <= 254
     for (int i = 0; i < 256; ++i) out->code[i] = code[i];
+    out->positive_only = code[0] >= 0.0f ? 1u : 0u;
     return true;
 }
 
