@@ -125,6 +125,19 @@ def _op_for(t: torch.Tensor):
     return load_op(t.device.type)
 
 
+_settings: Dict[int, dict] = {}  # id(op module) -> {rule: the hyperparameters its kernels take}
+
+
+def kernel_hyper(module, rule: str, hyper) -> dict:
+    """The step scalars of ``hyper`` that rule ``rule``'s kernels take (the op names them: a rule's
+    dict also carries what only the reference or the norm pass reads). A name the kernels need and
+    ``hyper`` lacks stays missing, so the op refuses the call and names it."""
+    names = _settings.get(id(module))
+    if names is None:
+        names = _settings[id(module)] = module.rule_settings()
+    return {k: hyper[k] for k in names.get(rule, ()) if k in hyper}
+
+
 def call(module, name, t, *args, skip=None, **kwargs):
     """``module.<name>(*args, **kwargs)``, counted; CPU entry points take the instruction set first, CUDA
     step entry points an optional device skip flag."""

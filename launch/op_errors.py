@@ -34,6 +34,7 @@ CALLS = {
     "skip_on_cpu": ("a skip flag on the CPU", "skip"),
     "param_on_cpu": ("a parameter on the CPU", "param must be on"),
     "unknown_rule": ("a rule the op does not know", "update rule"),
+    "unknown_hyperparameter": ("a hyperparameter the rule does not read", "has no hyperparameter 'lr_'"),
 }
 
 
@@ -71,6 +72,8 @@ def call(name: str) -> int:
         args[1] = [args[1][0].cpu()]
     elif name == "unknown_rule":
         args[0] = "no_such_rule"
+    elif name == "unknown_hyperparameter":
+        args[8] = dict(args[8], lr_=1.0)
     try:
         module.step_many(*args, **kwargs)
     except ValueError as exc:

@@ -150,8 +150,11 @@ def test_limits_are_shared_with_python(cpu_op):
 
 
 def test_every_python_rule_has_its_functor(cpu_op):
-    """The rules of ds_q8/optim/rules.py and the kernels' Q8_RULES are the same set."""
-    assert set(cpu_op.rules()) == {r.kernel for r in vars(rules).values() if isinstance(r, rules.Rule) and r.has_kernel}
+    """The rules of ds_q8/optim/rules.py and the kernels' Q8_RULES are the same set, and each functor's
+    kSigned says which states are signed as the Rule's state_signed does (the CUDA step specializes on it)."""
+    kernel_rules = {r.kernel: r for r in vars(rules).values() if isinstance(r, rules.Rule) and r.has_kernel}
+    assert set(cpu_op.rules()) == set(kernel_rules)
+    assert cpu_op.state_signs() == {name: list(r.state_signed) for name, r in kernel_rules.items()}
 
 
 @pytest.mark.parametrize("rule", list(RULES))

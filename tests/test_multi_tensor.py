@@ -155,6 +155,22 @@ def test_step_many_missing_hyperparameter_writes_nothing(cpu_op):
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("extra", ["lr_", "betas", "weight_decay_"])
+def test_step_many_unknown_hyperparameter_is_refused_and_writes_nothing(cpu_op, extra):
+    """A setting the rule does not read (a misspelt or misplaced name) is an error naming it, not ignored."""
+    params, grads, states, absmax, code, lookups, hyper = step_many_args(cpu_op, 2)
+    hyper[extra] = 0.5
+    before = [p.clone() for p in params]
+    for call in ("step_many", "step_fp32_many"):
+        with pytest.raises(ValueError, match=f"update rule 'adamw' has no hyperparameter '{extra}'; it reads .*'eps'"):
+            if call == "step_many":
+                cpu_op.step_many("scalar", "adamw", params, grads, states, absmax, code, lookups, 128, hyper, [], [])
+            else:
+                fp32 = [[torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+                cpu_op.step_fp32_many("scalar", "adamw", params, grads, fp32, hyper, [], [])
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
 def test_step_many_equals_one_call_per_tensor(cpu_op):
     args = step_many_args(cpu_op, 5)
     params, grads, states, absmax, code, lookups, hyper = args

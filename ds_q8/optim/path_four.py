@@ -142,7 +142,7 @@ def _kernel_step(rule: Rule, batch: list) -> list:
     corrected = corrs[0] is not None
     ops.call(module, "step4_many", params[0], rule.kernel, params, grads, m_codes, v_codes, m_absmax, v_max,
              _maps(p0.device),
-             t0.group["block_size"], dict(h), keys if stochastic else [], index if stochastic else [],
+             t0.group["block_size"], ops.kernel_hyper(module, rule.kernel, h), keys if stochastic else [], index if stochastic else [],
              stochastic_params=stochastic, corrections=corrs if corrected else [])
     return []
 

@@ -137,7 +137,7 @@ def fused_step_many(rule: Rule, items: List[Item8], group: dict, hyper, skip=Non
         stoch_states = [bool(keys) and on for on in stochastic_states(group, rule.state_signed)]
         sums = [sums_of[id(it)] for it in batch] if sums_of else []
         ops.call(module, "step_many", params[0], name, params, grads, [it.codes for it in batch],
-                 [it.absmax for it in batch], maps[0], maps[1], group["block_size"], dict(hyper), keys, index,
+                 [it.absmax for it in batch], maps[0], maps[1], group["block_size"], ops.kernel_hyper(module, name, hyper), keys, index,
                  stochastic_params=stoch_params, stochastic_states=stoch_states, error_sums=sums,
                  corrections=_corrections(batch), skip=skip if device.type == "cuda" else None)
     return rest
@@ -159,7 +159,7 @@ def fused_step_fp32_many(rule: Rule, items: List[Item32], group: dict, hyper, sk
         keys, index = _rounding_lists(batch)
         ops.call(module, "step_fp32_many", batch[0].param, name, [it.param for it in batch],
                  [it.grad if it.grad.is_contiguous() else it.grad.contiguous() for it in batch],
-                 [it.states for it in batch], dict(hyper), keys, index, corrections=_corrections(batch),
+                 [it.states for it in batch], ops.kernel_hyper(module, name, hyper), keys, index, corrections=_corrections(batch),
                  skip=skip if device.type == "cuda" else None)
     return rest
 

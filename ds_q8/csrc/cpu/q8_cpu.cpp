@@ -179,7 +179,8 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
     return a;
 }
 
-std::vector<HyperParam> hyper_params(const std::map<std::string, double>& hyper) {
+std::vector<HyperParam> hyper_params(const std::string& rule, const std::map<std::string, double>& hyper) {
+    binding::check_settings(rule, hyper);
     std::vector<HyperParam> hp;
     for (const auto& kv : hyper) hp.push_back(HyperParam{kv.first.c_str(), kv.second});
     return hp;
@@ -208,7 +209,7 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
           const std::vector<bool>& stochastic_states) {
     check_isa(isa);
     check_block_size(block_size);
-    const auto hp = hyper_params(hyper);
+    const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(maps, lookups), block_size, hp)};
     binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, 1), stochastic_states,
                                       states.size());
@@ -236,7 +237,7 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
-    const auto hp = hyper_params(hyper);
+    const auto hp = hyper_params(rule, hyper);
     const StepMaps step_map = step_maps(maps, lookups);
     binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, n), stochastic_states,
                                       step_map.k);
@@ -288,7 +289,7 @@ void step4_many(const std::string& isa, const std::string& rule, std::vector<tor
     }
     const bool corrected = binding::check_corrections(corrections, params, stochastic_params);
     binding::check_rounding(sr_keys, sr_index, n);
-    const auto hp = hyper_params(hyper);
+    const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
@@ -334,7 +335,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n,
                       "params, grads and states must be lists of the same length, got ", n, ", ", grads.size(),
                       " and ", states.size());
-    const auto hp = hyper_params(hyper);
+    const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
@@ -485,6 +486,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CPU kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("supported_isas", &ds_q8::supported_isas, "instruction sets this CPU can run, best first");
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (the kernel names of ds_q8.optim.rules)");
+    m.def("state_signs", &ds_q8::binding::rule_signs, "per rule, whether each state is on a signed map");
+    m.def("rule_settings", &ds_q8::binding::rule_settings, "per rule, the hyperparameters its kernels take");
     m.def("build_lookup", &ds_q8::binding::build_lookup, "nearest-code lookup table of a 256-entry map");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");
     using pybind11::arg;

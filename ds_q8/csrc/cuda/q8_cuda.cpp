@@ -159,6 +159,7 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
     b.maps = std::move(maps);
     b.lookups = std::move(lookups);
     b.block_size = block_size;
+    binding::check_settings(rule, hyper);
     cuda_step_many(b, hyper);
 }
 
@@ -200,6 +201,7 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
     b.states = std::move(states);
     b.fp32_states = true;
     b.corrections = corrections;
+    binding::check_settings(rule, hyper);
     cuda_step_many(b, hyper);
 }
 
@@ -258,6 +260,7 @@ void step4_many(const std::string& rule, std::vector<torch::Tensor> params, std:
     b.block_size = block_size;
     b.four_bit = true;
     b.four_maps = torch::cat(maps).contiguous();
+    binding::check_settings(rule, hyper);
     cuda_step_many(b, hyper);
 }
 
@@ -288,6 +291,8 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "ds_q8 CUDA kernels: fused 8-bit block-wise optimizer steps and (de)quantization";
     m.def("rules", &ds_q8::binding::rule_names, "update rules with a fused kernel (the kernel names of ds_q8.optim.rules)");
+    m.def("state_signs", &ds_q8::binding::rule_signs, "per rule, whether each state is on a signed map");
+    m.def("rule_settings", &ds_q8::binding::rule_settings, "per rule, the hyperparameters its kernels take");
     m.def("build_lookup", &ds_q8::build_lookup,
           "nearest-code lookup table and segment-search tables of a 256-entry map (CPU tensors)");
     m.def("limits", &ds_q8::binding::limits, "block-size bounds and state count, shared with ds_q8.functional");

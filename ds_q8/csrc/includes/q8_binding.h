@@ -2,6 +2,7 @@
 // list of fused update rules, and the lookup-table builder. Host code; include after torch.
 #pragma once
 
+#include <algorithm>
 #include <map>
 #include <string>
 #include <vector>
@@ -51,6 +52,68 @@ inline void check_same_dtypes(const std::vector<torch::Tensor>& params, const st
                       what, " needs one param dtype and one grad dtype; tensor ", t, " has ", params[t].scalar_type(),
                       "/", grads[t].scalar_type(), ", tensor 0 has ", params[0].scalar_type(), "/",
                       grads[0].scalar_type());
+}
+
+// Per rule, which of its states are on a signed map (each functor's kSigned; ds_q8.optim.rules has them
+// as Rule.state_signed, and a test ties the two).
+inline std::map<std::string, std::vector<bool>> rule_signs() {
+    std::map<std::string, std::vector<bool>> out;
+#define Q8_RULE_SIGNS(NAME, RULE)                                                    \
+    for (int k = 0; k < RULE::kStates; ++k) out[NAME].push_back(((RULE::kSigned >> k) & 1u) != 0u);
+    Q8_RULES(Q8_RULE_SIGNS)
+#undef Q8_RULE_SIGNS
+    return out;
+}
+
+// A step's settings are exactly the names rule `rule`'s functor reads (its constructor, run with a getter
+// that records each name): a name it does not read, a misspelt or misplaced setting that would otherwise
+// be ignored, is an error that names it, and so is a name it reads that `hyper` lacks. An unknown rule is
+// left to the caller's own message.
+// The names rule `rule`'s functor reads, in the order it reads them (its constructor, run with a getter
+// that records each name and answers from `hyper`); `known` says whether the rule exists.
+inline std::vector<std::string> settings_read(const std::string& rule, const std::map<std::string, double>& hyper,
+                                              bool* known) {
+    std::vector<std::string> read;
+    auto get = [&](const char* name) -> double {
+        if (std::find(read.begin(), read.end(), name) == read.end()) read.emplace_back(name);
+        const auto it = hyper.find(name);
+        return it == hyper.end() ? 0.0 : it->second;
+    };
+    *known = false;
+#define Q8_RULE_READS(NAME, RULE)         \
+    if (!*known && rule == NAME) {        \
+        *known = true;                    \
+        (void)RULE(get);                  \
+    }
+    Q8_RULES(Q8_RULE_READS)
+#undef Q8_RULE_READS
+    return read;
+}
+
+// Per rule, the hyperparameters its kernels take (what ds_q8.ops hands them of a step's scalars).
+inline std::map<std::string, std::vector<std::string>> rule_settings() {
+    std::map<std::string, std::vector<std::string>> out;
+    bool known = false;
+#define Q8_RULE_SETTINGS(NAME, RULE) out[NAME] = settings_read(NAME, {}, &known);
+    Q8_RULES(Q8_RULE_SETTINGS)
+#undef Q8_RULE_SETTINGS
+    return out;
+}
+
+// A step's hyperparameters are exactly the names its rule's functor reads: a name it does not read (a
+// misspelt or misplaced setting that would otherwise be ignored) is an error that names it, and so is a
+// name it reads that `hyper` lacks. An unknown rule is left to the caller's own message.
+inline void check_settings(const std::string& rule, const std::map<std::string, double>& hyper) {
+    bool known = false;
+    const std::vector<std::string> read = settings_read(rule, hyper, &known);
+    if (!known) return;
+    for (const auto& name : read)
+        TORCH_CHECK_VALUE(hyper.count(name) != 0, "update rule '", rule, "' needs hyperparameter '", name, "'");
+    std::string names;
+    for (const auto& name : read) names += (names.empty() ? "'" : ", '") + name + "'";
+    for (const auto& kv : hyper)
+        TORCH_CHECK_VALUE(std::find(read.begin(), read.end(), kv.first) != read.end(), "update rule '", rule,
+                          "' has no hyperparameter '", kv.first, "'; it reads ", names);
 }
 
 inline std::vector<std::string> rule_names() {
