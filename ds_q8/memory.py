@@ -29,11 +29,13 @@ from . import functional as F
 from .optim.layout import Segment, StateLayout, shared_blocks
 from .optim.qstate import ABSMAX_BYTES, QuantizedState
 
-def _num_states(optimizer: str) -> int:
+def _num_states(optimizer: str, optimizer_params: dict = None) -> int:
+    """How many states ``optimizer`` keeps per tensor when built with ``optimizer_params``, as its
+    ``rule_for`` answers for the group it forms (RMSprop8bitBlock with momentum: two)."""
     from .registry import OPTIMIZERS
 
     if optimizer in OPTIMIZERS:
-        return OPTIMIZERS[optimizer].rule.num_states
+        return OPTIMIZERS[optimizer].rule_when_built(**(optimizer_params or {})).num_states
     raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
 
 
@@ -139,7 +141,7 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
                          min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE,
                          group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000,
                          rank: int = None, param_bits: Sequence[Sequence[int]] = None,
-                         group_states: Sequence[int] = None) -> int:
+                         group_states: Sequence[int] = None, optimizer_params: dict = None) -> int:
     """Predicted optimizer-state bytes on one rank (``rank``; None: the rank that holds the most).
 
     Each parameter keeps 8-bit state when its group's bits are 8, its full size reaches
@@ -148,11 +150,12 @@ def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size
     ``bits`` per group. ``sub_group_size`` (stage 3) does not change the bytes: sub-groups end at
     parameter boundaries. ``group_states`` gives each group's number of states where the optimizer
     runs a rule per group (``Muon8bitBlock``: 1 for Muon's matrices, 2 for the auxiliary AdamW; see
-    :func:`gpt2_muon_groups`); by default every group keeps ``optimizer``'s.
+    :func:`gpt2_muon_groups`); by default every group keeps as many as ``optimizer`` built with
+    ``optimizer_params`` (its keyword arguments, a DeepSpeed config's ``"params"``) keeps for its group.
     """
     F.check_block_size(block_size)
     _check_layout_args(stage, world_size)
-    k_all = _num_states(optimizer)
+    k_all = _num_states(optimizer, optimizer_params)
     if group_states is not None:
         if len(group_states) != len(groups):
             raise ValueError(f"group_states must give one number per group ({len(groups)}), got {len(group_states)}")

@@ -59,7 +59,7 @@ def kernel_available(model, opt) -> bool:
     group = probe_opt.param_groups[0]
     qs = probe_opt.quantized_state(probe, group)
     item = S.Item8(probe, torch.zeros_like(probe), tuple(qs.codes()), tuple(qs.absmax()), None)
-    return not S.fused_step_many(probe_opt.rule, [item], group, probe_opt._hyper(group, 1))
+    return not S.fused_step_many(probe_opt.rule_for(group), [item], group, probe_opt._hyper(group, 1))
 
 
 def run(steps: int, warmup: int, every: int, width: int, batch: int, seed: int, log=print) -> dict:

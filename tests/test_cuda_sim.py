@@ -417,12 +417,14 @@ def test_planted_bugs_are_reported(bug):
 SANITIZER_REPORTS = ("ThreadSanitizer", "AddressSanitizer", "runtime error:", "LeakSanitizer")
 
 
-@pytest.mark.timeout(2700)  # above the run's own 2400 s limit; about 5 min each on the 2-core machine
+# 3-12 min each on the 2-core machines (10 min with the machine loaded by other jobs, load average 6-19):
+# the run's own limit is 1200 s, within the suite's 25 min target, and the test's a little above it
+@pytest.mark.timeout(1320)
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("build", ["tsan", "asan"])
 def test_sanitized_builds_are_clean(build):
     """This file's matrix again, in a process with the build's runtime: every test passes, no report."""
-    run = sim_op.run_sanitized(build, [__file__], timeout=2400)  # the tests of this one skip there
+    run = sim_op.run_sanitized(build, [__file__], timeout=1200)  # the tests of this one skip there
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"the {build} build failed (rc {run.returncode}):\n{out[-6000:]}"
     found = [r for r in SANITIZER_REPORTS if r in out]

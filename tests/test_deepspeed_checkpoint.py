@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import config, launch, run_checked  # noqa: E402
+import ds_q8
 
-import ds_q8  # noqa: E402
+from helpers.ds_launch import config, launch, run_checked
 
 pytestmark = pytest.mark.multirank
 

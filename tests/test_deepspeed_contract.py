@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("deepspeed")
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port  # noqa: E402
 
 from ds_q8.integration import contract, patches, supported  # noqa: E402
+
+from helpers.ds_launch import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,6 @@
 * ``ds_q8.optim.muon.tag_muon``: the ``use_muon`` tags of ``deepspeed.set_optimizer_flags`` for
   ``"type": "Muon"``.
 """
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,11 +16,10 @@ from torch import nn
 
 deepspeed = pytest.importorskip("deepspeed")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port  # noqa: E402
-
 from ds_q8.integration import engine_hooks, grad_norm  # noqa: E402
 from ds_q8.optim.muon import tag_muon  # noqa: E402
+
+from helpers.ds_launch import free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

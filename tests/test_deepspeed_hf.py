@@ -1,12 +1,10 @@
 """HF transformers' Trainer, DeepSpeed config with "optimizer": {"type": "Adam8bitBlock", "auto" params}."""
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
+from helpers.ds_launch import SCRIPTS, free_port, run_checked
 
 pytestmark = pytest.mark.multirank
 

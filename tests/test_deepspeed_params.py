@@ -158,5 +158,8 @@ def test_universal_names_refuse_more_than_two_states():
     class Three(Optimizer8bitBlock):
         rule = Rule("three", ("a", "b", "c"), (True, True, False), None, has_kernel=False)
 
+        def __init__(self, params, lr=1e-3, **options):
+            super().__init__(params, dict(lr=lr), **options)
+
     with pytest.raises(ValueError, match="at most 2"):
         Three.universal_names()

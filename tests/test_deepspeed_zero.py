@@ -1,15 +1,12 @@
 """Real DeepSpeed, real ranks: ds_q8 optimizers selected by JSON type under ZeRO 0/1/2/3, bf16,
 CPU offload, gradient accumulation, clipping and LR schedulers, compared with DeepSpeed running
 torch's fp32 Adam on the same config. One 2-rank launcher run serves every test in this file."""
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import config, launch  # noqa: E402
+from ds_q8.memory import estimate_state_bytes
 
-from ds_q8.memory import estimate_state_bytes  # noqa: E402
+from helpers.ds_launch import config, launch
 
 pytestmark = pytest.mark.multirank
 

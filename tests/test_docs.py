@@ -1,7 +1,8 @@
 """The documentation points at things that exist.
 
-README.md and docs/*.md are read as text (nothing is imported or run): every relative link must reach
-a file of this checkout, and a link with ``#anchor`` a heading of its target (GitHub's anchors); every
+README.md and docs/*.md are read as text (nothing is imported or run): the README must stay within
+``README_MAX_LINES`` lines; every relative link must reach a file of this checkout, and a link with
+``#anchor`` a heading of its target (GitHub's anchors); every
 ``python -m MODULE`` must name a module of this project (or one of the few outside tools in
 ``EXTERNAL_MODULES``); every ``launch/...``, ``ds_configs/...``, ``tests/...`` and ``ds_q8/...`` path
 must exist. A failure names the file, the line and what is missing.
@@ -123,6 +124,16 @@ def missing_names(path: Path, root: Path = REPO) -> list:
 def test_the_docs_are_there():
     names = {p.name for p in DOCS}
     assert "README.md" in names and len(DOCS) > 1, "README.md and the pages under docs/ are expected"
+
+
+#: the README says what ds_q8 is, how to run it and its current figures; the rest belongs in docs/
+README_MAX_LINES = 200
+
+
+def test_the_readme_stays_short():
+    lines = len((REPO / "README.md").read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, (f"README.md has {lines} lines, more than {README_MAX_LINES}: "
+                                       "move detail and history into docs/")
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))

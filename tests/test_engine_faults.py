@@ -11,17 +11,15 @@ import json
 import struct
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
+import ds_q8
+from ds_q8.integration.checkpoint_files import CorruptCheckpointError, verify_file
 
-import ds_q8  # noqa: E402
-from ds_q8.integration.checkpoint_files import CorruptCheckpointError, verify_file  # noqa: E402
+from helpers.ds_launch import SCRIPTS, free_port, run_checked
 
 pytestmark = pytest.mark.multirank
 

@@ -28,8 +28,7 @@ from helpers.train import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
 import fidelity  # noqa: E402
 import gpt_data  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port, run_checked  # noqa: E402
+from helpers.ds_launch import free_port, run_checked
 
 STEPS, LR, BATCH, CONTEXT = 8, 6e-4, 8, 64
 NORM_BOUND, COSINE_BOUND = 0.01, 0.999

@@ -16,8 +16,7 @@ from helpers.train import CONFIGS, LAUNCH
 import gpu_train  # launch/ is on sys.path through helpers.train
 import gpu_train_row
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port  # noqa: E402
+from helpers.ds_launch import free_port
 
 
 def stage(out, *args, dry_run=False, extra_env=None, timeout=120):

@@ -51,6 +51,22 @@ def test_muon_estimate_counts_one_state_for_matrices_and_two_for_the_rest():
         estimate_state_bytes(groups, 2, 1, "Muon8bitBlock", group_states=[2, 0, 2])
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_rmsprop_estimate_counts_the_momentum_buffer_its_group_keeps(momentum):
+    """RMSprop8bitBlock keeps ``square_avg``, and ``momentum_buffer`` too when built with momentum: the
+    estimate asks the optimizer built with the same params, and matches what a step allocates."""
+    model = nn.Sequential(nn.Linear(100, 60), nn.Linear(60, 10))
+    opt = ds_q8.RMSprop8bitBlock(model.parameters(), momentum=momentum, block_size=256, min_8bit_size=1000)
+    model(torch.randn(3, 100)).sum().backward()
+    opt.step()
+    sizes = [[p.numel() for p in model.parameters()]]
+    predicted = estimate_state_bytes(sizes, 0, 1, "RMSprop8bitBlock", block_size=256, min_8bit_size=1000,
+                                     optimizer_params=dict(momentum=momentum))
+    states = 2 if momentum else 1
+    assert measured_state_bytes(opt)["total"] == predicted
+    assert predicted == states * (6000 + 2 * 24 + 4 * (60 + 600 + 10))
+
+
 def test_zero_partitions_shrink_with_world_size():
     groups = [[10_000, 333]]
     assert state_tensor_sizes(groups, 2, 2) == [[5168]]  # 10333 padded to a multiple of 4, halved

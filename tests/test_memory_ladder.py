@@ -3,15 +3,12 @@ states, checked against live DeepSpeed engines, and the order of the rungs; bf16
 copies (rung (e), ``integration.shared_masters``): every storage a live engine holds counted, and the
 same bits as DeepSpeed's copying layout (rung (d)) at ZeRO-1 and 2, one and two ranks."""
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import config, launch  # noqa: E402
+from ds_q8.memory import LADDER, gpt2_param_groups, ladder_table, predict_model_states
 
-from ds_q8.memory import LADDER, gpt2_param_groups, ladder_table, predict_model_states  # noqa: E402
+from helpers.ds_launch import config, launch
 
 pytestmark = pytest.mark.multirank
 

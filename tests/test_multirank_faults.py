@@ -23,8 +23,7 @@ import pytest
 
 from helpers.train import REPO, env
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port  # noqa: E402
+from helpers.ds_launch import free_port
 
 pytestmark = pytest.mark.multirank
 

@@ -4,7 +4,6 @@ its partitions (threads standing in for ranks, as in test_layout.py) stepping bi
 import io
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ from ds_q8.optim.muon import default_use_muon, tag_muon
 
 from helpers.layout import ThreadComm, partitions, run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
 
 A, B, C = 3.4445, -4.7750, 2.0315
 
@@ -430,7 +428,7 @@ def test_one_deepspeed_rank_at_zero2_matches_the_plain_loop_with_deepspeeds_tags
     import subprocess
     import sys as _sys
 
-    from ds_launch import env, free_port
+    from helpers.ds_launch import env, free_port
 
     e = dict(env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     (tmp_path / "s.py").write_text(DS_SCRIPT)
@@ -455,7 +453,7 @@ def test_two_ranks_at_every_zero_stage_and_offload_match_the_plain_loop(tmp_path
     bit; DeepSpeed's per-parameter state API reads and writes each group's own states."""
     import json
 
-    from ds_launch import SCRIPTS, run_checked
+    from helpers.ds_launch import SCRIPTS, run_checked
 
     offload = {"offload_optimizer": {"device": "cpu"}}
     plan = [{"name": f"muon_s{s}", "optimizer": "Muon8bitBlock", "stage": s, "steps": 6, "lr": 0.01, "api": s > 0}
@@ -516,7 +514,7 @@ def test_gpt_job_at_one_and_two_ranks_ends_bit_identical(tmp_path):
     """The GPT job (launch/train_gpt.py, ds_configs/tiny_cpu_muon8bit.json: ZeRO-2, no clipping) with the
     same global batch, 1 rank x 2 accumulation steps against 2 ranks x 1, batches drawn by their index in
     the run (--world_invariant_data): the final parameters in the two checkpoints are the same bits."""
-    from ds_launch import REPO, free_port, run_checked
+    from helpers.ds_launch import REPO, free_port, run_checked
 
     train = REPO / "launch" / "train_gpt.py"
     args = ["--deepspeed_config", str(REPO / "ds_configs" / "tiny_cpu_muon8bit.json"), "--max_steps", "4",

@@ -3,13 +3,11 @@ saves what DeepSpeed's copying layout saves (same files, same bytes), resumes bi
 2 -> 3 ranks through ``to-universal`` code for code, and DeepSpeed's ``zero_to_fp32`` recovers the
 parameters."""
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import config, launch, run_checked  # noqa: E402
+from helpers.ds_launch import config, launch, run_checked
 
 pytestmark = pytest.mark.multirank
 

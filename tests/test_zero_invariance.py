@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import SCRIPTS, free_port, run_checked  # noqa: E402
-import invariance  # noqa: E402
+from helpers.ds_launch import SCRIPTS, free_port, load_script, run_checked
+
+invariance = load_script("invariance")  # tests/ds_scripts/invariance.py: the plain loop and the bag's shapes
 
 pytestmark = [pytest.mark.multirank, pytest.mark.timeout(1500),  # above its jobs' own 1200 s limit
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

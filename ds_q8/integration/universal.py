@@ -70,10 +70,11 @@ def fp32_rank_state(inner: dict, path: str) -> dict:
     marker = _marker(inner, path)
     cls = optimizer_class(marker["optimizer"])
     out = cls.export_fp32_state_dict(inner, universal=True)
+    default = cls.rule_when_built()  # for a marker that names no states
     for pid, st in out["state"].items():
         st.pop(CORRECTION_KEY, None)  # travels in the ds_q8 folder, per parameter (ParamCodes)
         # each entry's own states (a Muon matrix has one, its optimizer's AdamW entries two)
-        own, _ = states_of_entry(marker, pid, cls.rule)
+        own, _ = states_of_entry(marker, pid, default)
         names = [n for n in universal_names_for(own) if n is not None]
         for missing in UNIVERSAL_STATE_NAMES:
             if st and missing not in names:

@@ -45,11 +45,15 @@ def _with_options(init) -> inspect.Signature:
     return sig.replace(parameters=own + extra)
 
 
+#: each class's :meth:`Optimizer8bitBlock.rule_when_built` with no arguments, asked once
+_DEFAULT_RULES: dict = {}
+
+
 class Optimizer8bitBlock(torch.optim.Optimizer):
     #: the class's update rule (``rules.py``): every group's, unless a subclass's :meth:`rule_for`
-    #: answers per group (Muon and its auxiliary AdamW; RMSprop with or without momentum). The one
-    #: question the rest of the code asks is :meth:`rule_for`; this default names the states in the
-    #: checkpoint marker's header and in the class-level conversions that have no groups.
+    #: answers per group (Muon and its auxiliary AdamW; RMSprop with or without momentum). Only
+    #: :meth:`rule_for` reads it; everything else asks :meth:`rule_for`, or :meth:`rule_when_built`
+    #: where it has no live group (the marker's header, the class-level conversions, the memory estimate).
     rule: Optional[Rule] = None
     #: a function that tags a model's parameters for the groups this class forms (Muon8bitBlock's
     #: ``use_muon``), which DeepSpeed's ``set_optimizer_flags`` calls on the model; None: no tags
@@ -98,6 +102,19 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             raise NotImplementedError(f"{type(self).__name__} names no update rule: set the class attribute "
                                       "'rule' (ds_q8.optim.rules) or override rule_for(group)")
         return self.rule
+
+    @classmethod
+    def rule_when_built(cls, **params) -> Rule:
+        """The rule of the group that an instance built with ``params`` (the constructor's keyword
+        arguments, a DeepSpeed config's ``"params"``) forms for one small parameter, as :meth:`rule_for`
+        answers it: RMSprop8bitBlock built with ``momentum=0.9`` keeps two states, without it one."""
+        if not params and cls in _DEFAULT_RULES:
+            return _DEFAULT_RULES[cls]
+        probe = cls([torch.zeros(1)], **params)
+        rule = probe.rule_for(probe.param_groups[0])
+        if not params:
+            _DEFAULT_RULES[cls] = rule
+        return rule
 
     def rule_of(self, p: torch.Tensor) -> Rule:
         """The rule of an optimized tensor's group (a ZeRO partition's: its layout's group)."""
@@ -309,13 +326,13 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     @classmethod
     def universal_names(cls) -> tuple:
         """The names this optimizer's states carry in DeepSpeed universal checkpoints."""
-        return state_io.universal_names_for(cls.rule.state_names)
+        return state_io.universal_names_for(cls.rule_when_built().state_names)
 
     def state_dict(self) -> dict:
         self.settle()
         sd = super().state_dict()
         layouts, tensor_states, index = {}, {}, 0
-        head = type(self).rule
+        head = type(self).rule_when_built()
         for group in self.param_groups:
             rule = self.rule_for(group)
             for p in group["params"]:
@@ -333,7 +350,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep every state tensor in the dtype it was saved with, check
         everything before replacing anything, and refuse keys it does not know (``state_io.py``)."""
-        state_dict = state_io.upgraded(state_dict, self.param_groups, type(self).rule)
+        state_dict = state_io.upgraded(state_dict, self.param_groups, type(self).rule_when_built())
         plans = state_io.plan_load(self, state_dict)
         # nothing has changed so far: now replace
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
@@ -348,7 +365,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """A copy of a saved ``state_dict`` with every state as fp32 under torch's names (``universal``:
         under the names DeepSpeed universal checkpoints expect). Needs no parameters: the state names,
         maps and layouts come from the saved marker. The values are the dequantized codes, exactly."""
-        return state_io.export_fp32(state_dict, cls.rule, universal)
+        return state_io.export_fp32(state_dict, cls.rule_when_built(), universal)
 
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False,
                           group: Optional[dict] = None) -> bool:

@@ -1,4 +1,6 @@
-"""Start tests/ds_scripts/train.py under the deepspeed launcher and return its results."""
+"""Start the scripts of tests/ds_scripts (train.py and the others) under the deepspeed launcher and return
+their results; ``load_script`` imports one of them into a test without putting that folder on sys.path."""
+import importlib.util
 import json
 import os
 import socket
@@ -6,14 +8,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parents[1]
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = REPO / "tests" / "ds_scripts"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def load_script(name: str):
+    """The module tests/ds_scripts/<name>.py, imported under its own name (its code runs once per call)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def env() -> dict:
