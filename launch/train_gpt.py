@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "--grad_accum 1 see, in the order they are summed (the same at world size 1)")
     ap.add_argument("--copy_bf16_masters", action="store_true",
                     help="with bf16 masters, keep DeepSpeed's own master copy and flattened gradient (the memory "
-                         "ladder's rung (d)) instead of stepping the bf16 parameters in place: to compare memory")
+                         "ladder's rung (d)) instead of stepping the bf16 parameters in place, and under ZeRO-Offload "
+                         "its host copies (ds_q8.integration.host_copies): to compare memory")
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -303,9 +304,9 @@ def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     weight_decay = float(cfg["optimizer"]["params"].get("weight_decay", 0.0))
     groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state
     if args.copy_bf16_masters:
-        from ds_q8.integration import shared_masters
+        from ds_q8.integration import host_copies, shared_masters
 
-        shared_masters.ENABLED = False
+        shared_masters.ENABLED = host_copies.ENABLED = False
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     ds_q8.ops.load_op(torch.device(engine.device).type)
     return model, engine, n_params
