@@ -1,0 +1,206 @@
+"""ZeRO-Offload (``offload_optimizer: {"device": "cpu"}``): every host storage of a live engine counted once,
+part by part, and compared with ``ds_q8.host_memory``'s prediction to the byte, for DeepSpeed's AdamW
+(DeepSpeedCPUAdam; fp32, and bf16 masters with bf16 moments) and ds_q8 (fp32 masters; bf16 masters with
+stochastic rounding; with a correction byte), ZeRO-2 and 3, one and two ranks, two micro-batches per step.
+The host copies ds_q8 removes (``integration.host_copies``) change no bit of the training; two ranks save
+and resume bit for bit, and DeepSpeed's ``zero_to_fp32`` reads the checkpoints. Offload settings that
+would step parameters outside the 8-bit state are refused, naming the field."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
+from ds_launch import config, launch  # noqa: E402
+
+from ds_q8.host_memory import OFFLOAD_ROWS, predict_host_states  # noqa: E402
+
+pytestmark = pytest.mark.multirank
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+BF16 = {"enabled": True}
+MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
+ROWS = {  # row -> (optimizer type, bf16 section, optimizer params)
+    "deepspeed": ("AdamW", BF16, {}),
+    "deepspeed_bf16": ("AdamW", dict(MASTERS, bf16_optimizer_states=True), {}),
+    "q8": ("AdamW8bitBlock", BF16, {}),
+    "q8_bf16": ("AdamW8bitBlock", MASTERS, {}),
+    "q8_bf16_correction": ("AdamW8bitBlock", MASTERS, {"correction_byte": True}),
+}
+STAGES = (2, 3)
+HIDDEN = 127  # 30,941 parameters: at two ranks partitions cut parameters and blocks, the last one ends in padding
+SAVE_AT, MORE = 3, 2
+
+
+def _row_config(row, stage, zero=None):
+    optimizer, bf16, params = ROWS[row]
+    return config(stage, optimizer, bf16=bf16, zero=dict(OFFLOAD, **(zero or {})), opt_params=params)
+
+
+def _stage_jobs(stage, ckpt=None):
+    """Every row at ``stage``, then ds_q8's bf16 row again with DeepSpeed's own host buffers. Each stage's
+    jobs run together: a ZeRO-3 engine leaves DeepSpeed's stage-3 hooks on torch's functions for the rest of
+    the process, which changes the rounding of later ZeRO-2 runs."""
+    jobs = [{"name": f"{row}_s{stage}", "steps": SAVE_AT + MORE, "host_states": True, "hidden": HIDDEN,
+             "config": _row_config(row, stage)} for row in ROWS]
+    jobs.append({"name": f"deepspeed_layout_s{stage}", "steps": SAVE_AT + MORE, "share_masters": False,
+                 "host_states": True, "hidden": HIDDEN, "config": _row_config("q8_bf16", stage)})
+    for job in jobs:
+        if ckpt is not None and job["name"] in (f"q8_bf16_s{stage}", f"deepspeed_layout_s{stage}"):
+            job["save"] = [ckpt, job["name"], SAVE_AT]
+    return jobs
+
+
+def _refusal(name, stage, zero):
+    return {"name": name, "steps": 1, "expect_error": True, "config": config(stage, bf16=MASTERS, zero=zero)}
+
+
+GPT2 = {"gpt2": [4, 512], "steps": 2, "host_states": True,
+        "config": config(2, "AdamW8bitBlock", bf16=MASTERS, zero=OFFLOAD, gradient_accumulation_steps=1,
+                         opt_params={"block_size": 64, "min_8bit_size": 4096})}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    jobs = _stage_jobs(2) + [
+        dict(GPT2, name="gpt2_512_s2"),
+        {"name": "unpinned_s2", "steps": 2, "host_states": True, "hidden": HIDDEN,
+         "config": _row_config("q8_bf16", 2, {"offload_optimizer": {"device": "cpu", "pin_memory": False}})},
+        _refusal("zenflow_s2", 2, {**OFFLOAD, "zenflow": {"topk_ratio": 0.1, "update_interval": 2,
+                                                         "select_strategy": "step", "select_interval": 2}}),
+        _refusal("nvme_s2", 2, {"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp/ds_q8_nvme_unused"}}),
+        _refusal("ratio_s3", 3, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
+        _refusal("super_offload_s3", 3, {"offload_optimizer": {"device": "cpu", "super_offload": True}}),
+    ] + _stage_jobs(3) + [dict(GPT2, name="gpt2_512_s3", config=dict(GPT2["config"],
+                                                                     zero_optimization={"stage": 3, **OFFLOAD}))]
+    return launch(jobs, tmp_path_factory.mktemp("offload1"), "offload1", ranks=1, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    work = tmp_path_factory.mktemp("offload2")
+    ck = str(work / "ckpt")
+    counts = launch(_stage_jobs(2, ck) + _stage_jobs(3, ck), work, "offload2", ranks=2, timeout=900)
+    resumed = launch([{"name": f"q8_bf16_s{stage}", "steps": MORE, "start_step": SAVE_AT, "hidden": HIDDEN,
+                       "load": [ck, f"q8_bf16_s{stage}"], "config": _row_config("q8_bf16", stage)}
+                      for stage in STAGES], work, "offload2_resume", ranks=2, timeout=600)
+    return {"counts": counts, "resumed": resumed, "ckpt": work / "ckpt"}
+
+
+def _check_prediction(results, world_size):
+    for stage in STAGES:
+        for row in ROWS:
+            rec = results[f"{row}_s{stage}"]
+            for rank, measured in enumerate(rec["host_states"]):
+                measured = dict(measured)
+                total = measured.pop("total")
+                assert sum(measured.values()) == total, (row, stage, rank, measured, total)  # every storage named
+                predicted = predict_host_states([rec["param_sizes"]], row, stage, world_size, rank=rank,
+                                                block_size=256, min_8bit_size=1024, gradient_accumulation_steps=2)
+                assert measured == predicted, (row, stage, rank)
+
+
+def test_prediction_is_every_host_byte_at_one_rank(one_rank):
+    _check_prediction(one_rank, 1)
+
+
+def test_prediction_is_every_host_byte_at_two_ranks(two_ranks):
+    _check_prediction(two_ranks["counts"], 2)
+
+
+def test_rows_keep_what_they_say(one_rank):
+    """DeepSpeed's rows run DeepSpeedCPUAdam (fp32 or bf16 moments); ds_q8's keep uint8 codes and step the
+    masters' dtype; bf16 masters cut the host bytes to about a third of DeepSpeed's default."""
+    per_param = {}
+    for stage in STAGES:
+        for row, (optimizer, bf16, params) in ROWS.items():
+            rec = one_rank[f"{row}_s{stage}"]
+            per_param[row, stage] = rec["host_states"][0]["total"] / sum(rec["param_sizes"])
+            masters = "bfloat16" if bf16.get("bf16_master_weights_and_grads") else "float32"
+            assert rec["stepped_dtypes"] == [masters]
+            if row.startswith("deepspeed"):
+                assert rec["optimizer"] == "DeepSpeedCPUAdam"
+                assert rec["state_dtypes"]["exp_avg"] == ["bfloat16" if row == "deepspeed_bf16" else "float32"]
+            else:
+                assert rec["optimizer"] == "AdamW8bitBlock" and rec["state_dtypes"]["state1"] == ["uint8"]
+            assert rec["losses"][-1] < rec["losses"][0]
+        assert per_param["q8_bf16", stage] < per_param["deepspeed_bf16", stage] < per_param["deepspeed", stage]
+        assert per_param["q8_bf16", stage] < 0.35 * per_param["deepspeed", stage]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gpt2_holds_at_most_six_point_one_host_bytes_a_parameter(one_rank, stage):
+    """GPT-2 (Conv1D, n_embd 512, 4 layers, 12.8M parameters), one rank, bf16 masters, block 64: masters (2),
+    their gradient (2) and the 8-bit state (2 + 2/64 + fp32 state of the biases) on the host, nothing else."""
+    rec = one_rank[f"gpt2_512_s{stage}"]
+    host = rec["host_states"][0]
+    n = sum(rec["param_sizes"])
+    assert host["total"] / n <= 6.1, host["total"] / n
+    assert host["bf16_image"] == host["unused"] == host["grad_accumulation"] == 0
+    predicted = predict_host_states([rec["param_sizes"]], "q8_bf16", stage, gradient_accumulation_steps=1)
+    assert {k: v for k, v in host.items() if k != "total"} == predicted
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_removed_copies_change_no_bit(one_rank, stage):
+    """DeepSpeed's own layout (its bf16 image and unused buffer at ZeRO-2, its second gradient partition at
+    ZeRO-3) against ds_q8's: the same losses and parameters, bit for bit, and the bytes that went."""
+    ours, theirs = one_rank[f"q8_bf16_s{stage}"], one_rank[f"deepspeed_layout_s{stage}"]
+    assert ours["losses"] == theirs["losses"] and ours["params_bits"] == theirs["params_bits"]
+    n = sum(ours["param_sizes"])
+    held = ours["host_states"][0]["total"], theirs["host_states"][0]["total"]
+    predicted = predict_host_states([ours["param_sizes"]], "q8_bf16", stage, block_size=256, min_8bit_size=1024,
+                                    gradient_accumulation_steps=2, host_copies=False)
+    assert held[1] == sum(predicted.values())
+    assert held[1] - held[0] >= 2 * n  # a bf16 copy of the masters, or of their gradient
+
+
+def test_pin_memory_false_holds_the_same(one_rank):
+    """pin_memory decides only whether DeepSpeed pins its host buffers: the same bytes, the same training."""
+    unpinned, pinned = one_rank["unpinned_s2"], one_rank["q8_bf16_s2"]
+    assert unpinned["host_states"][0]["total"] == pinned["host_states"][0]["total"]
+    assert unpinned["losses"] == pinned["losses"][:2]
+
+
+@pytest.mark.parametrize("name, field", [
+    ("ratio_s3", "zero_optimization.offload_optimizer.ratio=0.5"),
+    ("super_offload_s3", "zero_optimization.offload_optimizer.super_offload=true"),
+    ("zenflow_s2", "zero_optimization.zenflow"),
+    ("nvme_s2", "zero_optimization.offload_optimizer.device=\"nvme\""),
+])
+def test_offload_paths_outside_the_8bit_state_are_refused(one_rank, name, field):
+    err = one_rank[name]["error"]
+    assert err.startswith("initialize: UnsupportedZeroConfig") and field in err, err
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_two_ranks_resume_bit_for_bit(two_ranks, stage):
+    counts = two_ranks["counts"]
+    ours, theirs = counts[f"q8_bf16_s{stage}"], counts[f"deepspeed_layout_s{stage}"]
+    assert ours["losses"] == theirs["losses"] and ours["params_bits"] == theirs["params_bits"]
+    resumed = two_ranks["resumed"][f"q8_bf16_s{stage}"]
+    assert resumed["losses"] == ours["losses"][SAVE_AT:] and resumed["params_bits"] == ours["params_bits"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_zero_to_fp32_reads_the_offloaded_checkpoint(two_ranks, stage):
+    """DeepSpeed's converter returns the saved bf16 masters, equal to the parameters, from ds_q8's
+    checkpoint and from DeepSpeed's own layout's alike."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = two_ranks["ckpt"]
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=f"q8_bf16_s{stage}")
+    theirs = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=f"deepspeed_layout_s{stage}")
+    assert set(ours) == set(theirs) and len(ours) == 9
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), name
+    if stage == 2:
+        model = torch.load(folder / f"q8_bf16_s{stage}" / "mp_rank_00_model_states.pt", map_location="cpu",
+                           weights_only=False)["module"]
+        for name, value in ours.items():
+            assert torch.equal(value.float(), model[name].float()), name
+
+
+def test_rows_are_the_documented_ones():
+    assert set(ROWS) == set(OFFLOAD_ROWS)
