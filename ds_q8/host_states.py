@@ -57,7 +57,8 @@ def _stage3(wrapper) -> bool:
 def _roles(engine) -> Dict[str, Iterable]:
     """Each host part and the tensors that play it, in the order in which a shared storage is attributed."""
     wrapper, base = engine.optimizer, _base_optimizer(engine)
-    masters = list(wrapper.fp32_partitioned_groups_flat if _stage3(wrapper) else wrapper.single_partition_of_fp32_groups)
+    masters = list(wrapper.fp32_partitioned_groups_flat if _stage3(wrapper)
+                   else wrapper.single_partition_of_fp32_groups)
     states = [v for st in base.state.values() for k, v in st.items() if torch.is_tensor(v) and k != "step"]
     if _stage3(wrapper):
         accumulation = [getattr(wrapper, "grad_partitions_flat_buffer", None)]

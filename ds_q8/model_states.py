@@ -117,7 +117,8 @@ def reachable_storages(*roots, keep=None) -> Dict[int, int]:
                 storage = obj.untyped_storage()
                 if storage.data_ptr():
                     found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
-            todo.append(obj.grad)
+            if obj.is_leaf:  # only leaves keep a .grad (asking a non-leaf warns)
+                todo.append(obj.grad)
             todo.extend(getattr(obj, "__dict__", {}).values())
         elif isinstance(obj, dict):
             todo.extend(obj.keys())

@@ -99,7 +99,8 @@ def format_offload_plan(plans: Dict[str, List[Dict]], grad_accum: int) -> str:
         n = sum(map(sum, host_memory.decoder_param_groups(*host_memory.DECODERS[model])))
         lines += [f"ZeRO-Offload, {model} decoder ({n / 1e9:.3f}e9 params, bf16, gradient accumulation "
                   f"{grad_accum}): model states per rank",
-                  "| stage | ranks | optimizer | host per rank (GB) | host B/param, all ranks | host, all ranks (GB) | device per rank (GB) |",
+                  "| stage | ranks | optimizer | host per rank (GB) | host B/param, all ranks | host, all ranks (GB) "
+                  "| device per rank (GB) |",
                   "|---:|---:|---|---:|---:|---:|---:|"]
         for r in rows:
             lines.append(f"| {r['stage']} | {r['world_size']} | {r['label']} | {r['host'] / GB:.1f} | "
@@ -117,7 +118,8 @@ def main(argv=None) -> None:
     ap.add_argument("--world_sizes", default="1,8,64", help="comma-separated data-parallel sizes")
     ap.add_argument("--block_size", type=int, default=DEFAULT_BLOCK_SIZE, help="quantization block size of the 8-bit state")
     ap.add_argument("--offload", action="store_true",
-                    help="instead: host and device bytes under ZeRO-Offload for the 7B and 13B decoders at 1 and 8 ranks")
+                    help="instead: host and device bytes under ZeRO-Offload for the 7B and 13B decoders at 1 and 8 "
+                         "ranks")
     ap.add_argument("--grad_accum", type=int, default=8, help="with --offload: gradient accumulation steps")
     args = ap.parse_args(argv)
     if args.offload:

@@ -2,12 +2,15 @@
 AdamW8bitBlock, optimizer state and step on the CPU) at small size through ``launch/train_gpt.py``: a run
 SIGKILLed inside an optimizer step (after the first parameter group was stepped, before the second)
 resumes from its last complete checkpoint and ends with the losses and weights of a run that was never
-interrupted; DeepSpeed's own ``zero_to_fp32.py``, copied beside the checkpoints, converts them.
+interrupted; DeepSpeed's own ``zero_to_fp32.py``, copied beside the checkpoints, converts them. At two
+ranks and ZeRO-3 the trainer's summary reports each rank's host bytes, and ``ds_q8.host_memory`` predicts
+them to the byte for the parameter groups the trainer makes (32-bit embeddings included).
 
 The kill comes from ``DS_Q8_FAULT=kill:mid_step:STEP`` (tests/ds_scripts/faults.py through faulty_train.py).
 """
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -16,9 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.train import CONFIGS, REPO, env, metrics, summary, train
+from helpers.train import CONFIGS, LAUNCH, REPO, env, metrics, run, summary, train
 
 import checkpointing
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
+from ds_launch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,3 +84,28 @@ def test_deepspeeds_zero_to_fp32_script_converts_the_checkpoint(full, tmp_path):
     for name, value in converted.items():
         # the bf16 masters, as fp32: the parameters the run ended with
         assert value.dtype == torch.float32 and torch.equal(value, model[name].float()), name
+
+
+def test_two_ranks_at_zero3_report_the_predicted_host_bytes(tmp_path):
+    """ZeRO-3 with every parameter partitioned (``stage3_param_persistence_threshold`` 0), so that each forward
+    gathers parameters from both ranks: the final evaluation's three batches are split 2 + 1, and the rank
+    without a third batch still joins its gathers."""
+    from ds_q8.host_memory import predict_host_states
+
+    cfg = json.loads((CONFIGS / "decoder_7b_8bit_bf16master_zero2_offload.json").read_text())
+    cfg["zero_optimization"].update(stage=3, stage3_param_persistence_threshold=0)
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(cfg))
+    save = tmp_path / "run"
+    run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", free_port(),
+         LAUNCH / "train_gpt.py", "--save_dir", save, "--no_progress", "--deepspeed_config", path, "--micro_batch", "2",
+         "--grad_accum", "2", "--context", "32", "--eval_batches", "3", "--max_steps", "2", "--eval_interval", "0",
+         "--save_interval", "0"], timeout=600, threads=1)
+    s = summary(save)
+    assert s["world_size"] == 2 and s["optimizer"] == "AdamW8bitBlock"
+    for rank, measured in enumerate(s["host_states"]):
+        measured = dict(measured)
+        total = measured.pop("total")
+        assert sum(measured.values()) == total
+        assert measured == predict_host_states(s["param_group_sizes"], "q8_bf16", 3, 2, rank=rank,
+                                               group_bits=s["param_group_bits"], gradient_accumulation_steps=2)

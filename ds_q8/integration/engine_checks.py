@@ -15,8 +15,8 @@ allocated, and only when the optimizer being wrapped is a ds_q8 one.
   (ZeRO-3 ``offload_optimizer.super_offload``: a ``DeepSpeedCPUAdam`` in a worker process steps
   every sub-group) and ZenFlow (``zero_optimization.zenflow``: a 32-bit ``ZenFlowSelectiveAdamW`` steps the
   gradients' largest columns on the accelerator). Each would train part or all of the model in 32 bits
-  while the 8-bit state sat unused. At stages 1 and 2 DeepSpeed ignores ``ratio`` and ``super_offload``,
-  and so does ds_q8.
+  while the 8-bit state sat unused. At stages 1 and 2 DeepSpeed itself rejects ``ratio`` below 1 and
+  ignores ``super_offload``.
 
 Offload settings that change only where buffers live (``pin_memory``, and the NVMe pipeline and buffer
 settings, which DeepSpeed reads only for NVMe) leave the 8-bit state as it is and are accepted.
@@ -73,8 +73,8 @@ def _check_offload_paths(engine, name: str, stage: int, offload) -> None:
     if getattr(offload, "super_offload", False):
         raise UnsupportedZeroConfig(
             f"zero_optimization.offload_optimizer.super_offload=true is not supported with {name}: SuperOffload "
-            "steps every sub-group with its own DeepSpeedCPUAdam (fp32 moments) in a worker process, not with the 8-bit "
-            "optimizer. "
+            "steps every sub-group with its own DeepSpeedCPUAdam (fp32 moments) in a worker process, not with the "
+            "8-bit optimizer. "
             "Set it to false: ZeRO-3 offload then steps the 8-bit state on the CPU"
         )
 
