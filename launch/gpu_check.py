@@ -1,11 +1,10 @@
-"""The correctness and speed stages of launch/gpu_check.sh, on one CUDA GPU.
+"""The preflight, build, correctness, sanitizer and profile stages of launch/gpu_check.sh, on one CUDA GPU
+(its speed stage is launch/kernel_compare.py).
 
     python launch/gpu_check.py preflight                 imports, a visible GPU (STOP line, exit 2, if none)
     python launch/gpu_check.py build                     the CUDA op and the CPU op, at the same time
     python launch/gpu_check.py correctness --out DIR     pytest -m gpu: the GPU tests of tests/, among them
                                                          the kernels against the pure-PyTorch reference
-    python launch/gpu_check.py speed --out DIR [--n N]   python -m ds_q8.bench on the GPU: timings against
-                                                         copy, bitsandbytes, torch; targets as TARGET lines
     python launch/gpu_check.py sanitize                  a small run for compute-sanitizer
     python launch/gpu_check.py profile [--n N]           the workload Nsight Compute profiles (ncu)
     python launch/gpu_check.py ncu-summary LOG           ncu's CSV output as one INFO line per kernel
@@ -20,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -33,14 +31,6 @@ sys.path.insert(0, ROOT)
 DEVICE = "cuda"  # --device cpu runs the same checks on the CPU op, to try this script without a GPU
 #: the GPU tests the correctness stage runs (the multi-rank ones run in gpu_check.sh's deepspeed-gpu stage)
 GPU_TESTS = "gpu and not multirank"
-
-
-def gpt2_xl_shapes(layers: int = 48, d: int = 1600, vocab: int = 50257, ctx: int = 1024) -> List[tuple]:
-    """The parameter shapes of GPT-2 XL (1.56e9 parameters, 580 tensors); smaller when asked."""
-    shapes = [(vocab, d), (ctx, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
-    return shapes + [(d,), (d,)]
 
 
 class Report:
@@ -63,12 +53,6 @@ class Report:
         self.failed += ok is False
         print(f"{word} {name}{': ' + detail if detail else ''}", flush=True)
         self.data["results"].append(dict(name=name, result=word, detail=detail, **values))
-        self._write()
-
-    def target(self, name: str, met: bool, detail: str, **values):
-        """A speed target: the measured figure against it, reported, never a failure (FAIL is for wrong results)."""
-        print(f"TARGET {name}: {'met' if met else 'missed'}, {detail}", flush=True)
-        self.data["results"].append(dict(name=name, result="TARGET", met=bool(met), detail=detail, **values))
         self._write()
 
     def info(self, key: str, value):
@@ -176,12 +160,21 @@ def sanitize(report: Report) -> None:
 # ---------------------------------------------------------------------------------------------- profile
 #: the step kernels Nsight Compute profiles (ncu --kernel-name, matched against the function's base name)
 PROFILE_KERNELS = "regex:step4?_kernel"
+#: counters asked for beside the sections (ncu --metrics): instructions, shared-memory wavefronts and bank
+#: conflicts, DRAM bytes (each divided by the elements stepped gives a per-element figure), and the
+#: warps' stall reasons per issued instruction
+PROFILE_COUNTERS = ("smsp__inst_executed.sum", "smsp__thread_inst_executed.sum",
+                    "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum",
+                    "dram__bytes_read.sum", "dram__bytes_write.sum")
+PROFILE_STALLS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 #: the figures of each profiled kernel printed as an INFO line: enough to tell a kernel bound by memory
 #: traffic (DRAM throughput near 100%) from one bound by its arithmetic (SM throughput high) or by
 #: latency (both low, warps waiting); the whole table is in the stage's log
 PROFILE_METRICS = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput",
                    "Registers Per Thread", "Theoretical Occupancy", "Achieved Occupancy", "Block Limit Registers",
-                   "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction")
+                   "Issue Slots Busy", "Executed Ipc Active", "Warp Cycles Per Issued Instruction") + PROFILE_COUNTERS
+#: the stall reasons printed per kernel: the largest few of the warps' stall counters
+STALL_PREFIX, TOP_STALLS = "smsp__average_warps_issue_stalled_", 5
 
 
 def profile_workload(n: int) -> None:
@@ -214,69 +207,31 @@ def ncu_summary(text: str) -> List[str]:
     if start is None:
         return []
     kernels: Dict[tuple, Dict[str, str]] = {}  # (launch ID, kernel name) -> metric -> value and unit
+    stalls: Dict[tuple, Dict[str, float]] = {}
     for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
         name, metric = row.get("Kernel Name", ""), row.get("Metric Name", "")
+        key = (row.get("ID"), name)
+        if name and metric.startswith(STALL_PREFIX):
+            try:
+                stalls.setdefault(key, {})[metric[len(STALL_PREFIX):].split("_per_issue")[0]] = \
+                    float(row.get("Metric Value", "").replace(",", ""))
+            except ValueError:
+                pass
+            continue
         if not name or metric not in PROFILE_METRICS:
             continue
         unit = row.get("Metric Unit", "")
-        kernels.setdefault((row.get("ID"), name), {})[metric] = f"{row.get('Metric Value', '')}{' ' + unit if unit else ''}"
-    return [f"INFO profile {name.split('(')[0]}: " + ", ".join(f"{m} {figures[m]}" for m in PROFILE_METRICS if m in figures)
-            for (_, name), figures in kernels.items()]
+        kernels.setdefault(key, {})[metric] = f"{row.get('Metric Value', '')}{' ' + unit if unit else ''}"
+    out = []
+    for key in list(dict.fromkeys(list(kernels) + list(stalls))):
+        figures = kernels.get(key, {})
+        text = ", ".join(f"{m} {figures[m]}" for m in PROFILE_METRICS if m in figures)
+        top = sorted(stalls.get(key, {}).items(), key=lambda kv: -kv[1])[:TOP_STALLS]
+        if top:
+            text += (", " if text else "") + "stalls " + " ".join(f"{k} {v:.2f}" for k, v in top)
+        out.append(f"INFO profile {key[0]} {key[1].split('(')[0]}: {text}")
+    return out
 
-
-# ---------------------------------------------------------------------------------------------- speed
-#: step rows that answer other questions than the targets (python -m ds_q8.bench has them); each row of a
-#: table holds its own parameters at once, so at 1.5e9 parameters fewer rows also fit the GPU
-SPEED_SKIP = ["clip norm", "state_rounding=nearest", "foreach", "torchao", "DeepSpeedCPUAdam"]
-KERNEL_ROW = "ds_q8 AdamW8bitBlock (kernel, nonfinite=off)"  # against the copy bandwidth
-STEP_ROW = "ds_q8 AdamW8bitBlock (kernel)"  # against the peers
-PEERS = {"torch fused AdamW": "torch AdamW fused", "bitsandbytes AdamW8bit": "bitsandbytes AdamW8bit"}
-
-
-def bench_argv(n: int, reps: int, skip_peers: bool, many: Tuple[int, int]) -> List[str]:
-    """``python -m ds_q8.bench`` arguments: the step, copy, many-tensor and quantization tables only."""
-    argv = ["--device", DEVICE, "--n", str(n), "--reps", str(reps), "--no-reference", "--many", str(many[0]),
-            str(many[1]), "--in-cache", "0", "0", "--segments", "0", "--muon", "--block-sizes"]
-    for text in SPEED_SKIP + (["bitsandbytes"] if skip_peers else []):
-        argv += ["--skip", text]
-    return argv
-
-
-def speed(report: Report, n: int, reps: int, skip_peers: bool, many: Tuple[int, int]) -> None:
-    import torch
-
-    from ds_q8 import bench
-
-    report.info("device", torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE)
-    argv = bench_argv(n, reps, skip_peers, many)
-    report.info("bench", {"argv": argv})
-    result = bench.main(argv)
-    report.info("bench", {"argv": argv, "result": result})
-    speed_rows(report, result, n, reps, many)
-
-
-def speed_rows(report: Report, result: dict, n: int, reps: int, many: Tuple[int, int]) -> None:
-    """ds_q8.bench's tables as INFO rows, and the speed targets as TARGET lines (never a failure)."""
-    step, xl = result["step"], result["many"]["step"]
-    tables = [(f"n={n}", step), ("copy", result["copy"]), (f"gpt2-xl-sized {many[0]}x{many[1]}", xl),
-              ("quantization", result["quantization"])]
-    for label, rows in tables:
-        for r in rows:
-            report.add(f"speed {label} {r['name']}", None, f"median {r['ms']:.3f} ms of {reps}, {r['gbps']:.1f} GB/s",
-                       ms=r["ms"], GBps=round(r["gbps"], 1), times=r["runs_ms"])
-    named = {r["name"]: r for r in step}
-    if KERNEL_ROW in named and result["copy"]:
-        frac = named[KERNEL_ROW]["gbps"] / result["copy"][0]["gbps"]
-        report.target("kernel >= 80% of copy bandwidth", frac >= 0.8, f"{100 * frac:.0f}% at n={n}", fraction=frac)
-    for label, rows in ((f"n={n}", step), ("gpt2-xl", xl)):
-        named = {r["name"]: r for r in rows}
-        ds = named.get(STEP_ROW)
-        for peer, row in PEERS.items():
-            if row not in named:
-                report.add(f"speed {label} {row}", None, "unavailable (the log says why)")
-            elif ds:
-                ms = named[row]["ms"]
-                report.target(f"{label} ds_q8 step faster than {peer}", ds["ms"] < ms, f"{ds['ms']:.2f} ms vs {ms:.2f} ms")
 
 # ---------------------------------------------------------------------------------------------- preflight, build
 def compilers() -> str:
@@ -332,55 +287,54 @@ def preflight() -> int:
     return 0
 
 
-def build() -> int:
-    """The CUDA op (here) and the CPU op (a second process, at the same time) that the later stages load:
-    every compile happens in this stage."""
+def build(earlier: Optional[str], train_ops: bool) -> int:
+    """The CUDA op (here) and, in other processes at the same time, the CPU op, the earlier kernel's op
+    (launch/kernel_compare.py, from the csrc folder ``earlier``) and the ops of the training stage
+    (launch/gpu_train.py --build-only, for a later call on this machine): every compile of the run."""
     import subprocess
+    import tempfile
 
-    cpu = subprocess.Popen([sys.executable, "-c", "from ds_q8.op_builder import Q8CPUBuilder; "
-                            "print('CPU op ISAs:', list(Q8CPUBuilder().load().supported_isas()))"], cwd=ROOT)
+    others = {"CPU op": [sys.executable, "-c", "from ds_q8.op_builder import Q8CPUBuilder; "
+                         "print('CPU op ISAs:', list(Q8CPUBuilder().load().supported_isas()))"]}
+    if earlier:
+        others["earlier kernel's op"] = [sys.executable, os.path.join(ROOT, "launch", "kernel_compare.py"), "build",
+                                         "--old", earlier]
+    scratch = tempfile.mkdtemp()
+    if train_ops:
+        others["training stage's ops"] = [sys.executable, os.path.join(ROOT, "launch", "gpu_train.py"),
+                                          "--build-only", "--out", scratch]
     t = time.time()
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT) for name, cmd in others.items()}
     from ds_q8.op_builder import Q8CUDABuilder
 
     Q8CUDABuilder().load(verbose=True)
     print(f"PASS build CUDA op: loaded after {time.time() - t:.0f} s", flush=True)
-    rc = cpu.wait()
-    print(f"{'PASS' if rc == 0 else 'FAIL'} build CPU op: {time.time() - t:.0f} s (exit {rc})", flush=True)
-    return 0 if rc == 0 else 1
+    failed = 0
+    for name, proc in procs.items():
+        rc = proc.wait()
+        print(f"{'PASS' if rc == 0 else 'FAIL'} build {name}: {time.time() - t:.0f} s (exit {rc})", flush=True)
+        failed += rc != 0 and name == "CPU op"  # the others' stages say so themselves; they can still run
+    return 1 if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------- main
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=["preflight", "build", "correctness", "speed", "sanitize", "profile",
-                                      "ncu-summary"])
+    ap.add_argument("stage", choices=["preflight", "build", "correctness", "sanitize", "profile", "ncu-summary"])
     ap.add_argument("log", nargs="?", help="ncu-summary: the file of ncu --csv --page details output")
     ap.add_argument("--out", help="directory for gpu_check_<stage>.json (default: no file)")
-    ap.add_argument("--n", type=int, default=None, help="parameters of the single-tensor speed rows "
-                    "(1.5e9), or of the profiled steps (2^27)")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per row (median reported; at least 5)")
+    ap.add_argument("--n", type=int, default=2 ** 27, help="parameters of the profiled steps (2^27)")
     ap.add_argument("--quick", action="store_true", help="correctness without the 2^31+4099-element tensor")
-    ap.add_argument("--no-peers", action="store_true", help="speed without bitsandbytes")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit (no GPU needed)")
+    ap.add_argument("--earlier", help="build: also the earlier kernel's op from this csrc folder (kernel_compare.py)")
+    ap.add_argument("--train-ops", action="store_true", help="build: also the training stage's ops")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                    help="cpu: the same checks on the CPU op (tries this script without a GPU; use small --n, --many)")
-    ap.add_argument("--xl-layers", type=int, default=48, help="transformer layers of the GPT-2 XL list (48)")
-    ap.add_argument("--many", type=int, nargs=2, metavar=("COUNT", "SIZE"),
-                    help="speed's many-tensor table (default: as many tensors and parameters as the GPT-2 XL list)")
+                    help="cpu: the same checks on the CPU op (tries this script without a GPU; use a small --n)")
     args = ap.parse_args(argv)
-    if args.n is None:
-        args.n = 2 ** 27 if args.stage == "profile" else 1_500_000_000
     if args.stage == "ncu-summary" and not args.log:
         ap.error("ncu-summary needs the path of ncu's output")
-    if args.reps < 5:
-        ap.error(f"--reps must be at least 5, got {args.reps}")
     if args.n < 1:
         ap.error(f"--n must be a positive number of parameters, got {args.n}")
-    if args.many is None:
-        shapes = gpt2_xl_shapes(args.xl_layers)
-        args.many = (len(shapes), sum(math.prod(s) for s in shapes) // len(shapes))
-    if min(args.many) < 1:
-        ap.error(f"--many needs two positive numbers, got {args.many}")
     return args
 
 
@@ -391,8 +345,6 @@ def dry_run(args, path: Optional[str]) -> int:
         return 0
     if args.stage == "correctness":
         plan = correctness_plan(args.quick)
-    elif args.stage == "speed":
-        plan = ["python -m ds_q8.bench " + " ".join(bench_argv(args.n, args.reps, args.no_peers, args.many))]
     elif args.stage == "profile":
         plan = [f"8-bit and 4-bit AdamW steps on {args.n} elements under ncu ({PROFILE_KERNELS})"]
     else:
@@ -411,7 +363,7 @@ def main(argv=None) -> int:
     global DEVICE
     DEVICE = args.device
     if args.stage in ("preflight", "build") and not args.dry_run:
-        return preflight() if args.stage == "preflight" else build()
+        return preflight() if args.stage == "preflight" else build(args.earlier, args.train_ops)
     if args.stage == "ncu-summary":
         with open(args.log, errors="replace") as f:
             lines = ncu_summary(f.read())
@@ -433,10 +385,7 @@ def main(argv=None) -> int:
         profile_workload(args.n)
         return 0
     report = Report(path, args.stage)
-    if args.stage == "speed":
-        speed(report, args.n, args.reps, args.no_peers, args.many)
-    else:
-        sanitize(report)
+    sanitize(report)
     report.info("failed", report.failed)
     return 1 if report.failed else 0
 

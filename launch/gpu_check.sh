@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Every GPU check of the CUDA kernels in one command of at most 480 s on one CUDA GPU (an H200 with
+# Every GPU check of the CUDA kernels in one command of at most 540 s on one CUDA GPU (an H200 with
 # 16 cores), stages in the order that answers first:
 #   preflight    torch with CUDA, DeepSpeed, ds_q8 from this tree, a visible GPU; builds nothing and
 #                stops everything with one STOP line (exit 2) when one is missing
-#   build        the CUDA op and the CPU op, at the same time (every compile of the run is here)
+#   build        the CUDA op and the CPU op, at the same time (every compile of the run is here), and
+#                when asked the earlier kernel's op (OLD=DIR, launch/kernel_compare.py) and the ops of
+#                the training stage (TRAIN_OPS=1, for launch/gpu_train.sh on the same machine next)
+#   op-errors    what happens when the CUDA op raises (launch/op_errors.py): the compilers and C++ runtime
+#                of torch and of the op, each refused call in its own process, cuda-gdb's backtrace of one
+#                that dies
 #   correctness  pytest -m "gpu and not multirank" tests (launch/gpu_check.py correctness): the kernels
 #                against the pure-PyTorch reference, bit for bit (tests/test_gpu_kernels.py: block sizes
 #                64-4096, sizes {1, 7, bs-1, bs+1, 3bs+7}, every rule, dtype pair, float32 states, offset
 #                views, a side stream, the skip flag, (de)quantize, one 2^31+4099-element tensor) and the
 #                other GPU tests (multi-tensor launches, on-device skips, CPU against GPU); a JSON report
-#   speed        python -m ds_q8.bench on the GPU: medians against copy bandwidth, torch fused AdamW and
-#                bitsandbytes, as TARGET lines (figures against targets; FAIL is only for wrong results)
+#   speed        launch/kernel_compare.py speed: copy, torch fused AdamW, the earlier (OLD) and current
+#                kernels, AdamW8bitBlock.step(), bitsandbytes, at N parameters (fp32, and bf16 in place)
+#                and over GPT-2 XL's 580 tensors, host time apart; TARGET lines (never a failure)
 #   sanitizer    compute-sanitizer memcheck and racecheck on a small workload, ds_q8 kernels only
-#   profile      Nsight Compute (ncu) on the 8-bit and 4-bit step kernels: one INFO line each (DRAM and
-#                SM throughput, occupancy, registers, issue rate); the full table in profile.log
+#   profile      Nsight Compute (ncu) on the earlier and current 8-bit step kernels and the 4-bit one:
+#                one INFO line each (DRAM and SM throughput, occupancy, registers, issue rate, instructions,
+#                shared-memory wavefronts and bank conflicts, DRAM bytes, stall reasons); the full table
+#                in profile.log
 #   deepspeed    pytest -m "gpu and multirank": the DeepSpeed fp16 overflow skips
-# Each stage has its own limit, cut to what is left of BUDGET_S (480). ptxas figures are CI's
+# Each stage has its own limit, cut to what is left of BUDGET_S (540). ptxas figures are CI's
 # (tests/test_cuda_build.py), not this script's.
 #
 # Output: at most 3 files in $OUT (default out/gpu_check): summary.json (every stage and check),
@@ -29,19 +37,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out/gpu_check}
 N=${N:-1500000000}
-BUDGET_S=${BUDGET_S:-480}
+BUDGET_S=${BUDGET_S:-540}
+OLD=${OLD:-}            # a csrc folder of an earlier kernel (kernel_compare.py snapshot), to compare against
+TRAIN_OPS=${TRAIN_OPS:-0}
 DRY_RUN=${DRY_RUN:-0}
-WHEELS=${WHEELS-.whl}  # the wheels to install first; WHEELS= installs none
-source launch/python.sh  # PY: PYTHON, the active or .venv environment, else python3
+source launch/gpu_env.sh  # PY, TORCH_EXTENSIONS_DIR, CUDA_HOME, WHEELS and install_wheels
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(mktemp -d)  # stage logs and JSON: packed into $OUT/logs.tar.gz at the end
-export PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.ext_cache}
-if [ -z "${CUDA_HOME:-}" ]; then
-    CUDA_HOME=$("$PY" ds_q8/op_builder/toolkit.py 2>/dev/null || true)
-    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-fi
 start=$(date +%s)
 failed=0
 stopped=0
@@ -102,11 +105,10 @@ stage() {
     return $rc
 }
 
-if [ "$DRY_RUN" != 1 ] && [ -n "$WHEELS" ] && compgen -G "$WHEELS/*.whl" > /dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/ds_q8_site \
-        "$WHEELS"/*.whl > "$WORK/wheels.log" 2>&1 || { echo "STOP preflight: installing $WHEELS/ failed (see wheels.log)"
-                                                 stopped=1; exit 2; }
-    export PYTHONPATH=/tmp/ds_q8_site${PYTHONPATH:+:$PYTHONPATH}
+if [ "$DRY_RUN" != 1 ] && ! install_wheels "$WORK/wheels.log"; then
+    echo "STOP preflight: installing $WHEELS/ failed (see wheels.log)"
+    stopped=1
+    exit 2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 
@@ -124,14 +126,23 @@ if [ "$DRY_RUN" != 1 ]; then
 fi
 
 # ---- build: every compile of the run
-stage build 180 build.log "$PY" launch/gpu_check.py build || { echo "STOP build: nothing else can run"; stopped=1
-                                                               exit 2; }
+build_args=()
+[ -n "$OLD" ] && build_args+=(--earlier "$OLD")
+[ "$TRAIN_OPS" = 1 ] && build_args+=(--train-ops)
+stage build 150 build.log "$PY" launch/gpu_check.py build "${build_args[@]}" || {
+    echo "STOP build: nothing else can run"; stopped=1; exit 2; }
+
+# ---- an error raised in the CUDA op: does it reach Python as an exception?
+stage op-errors 90 op_errors.log "$PY" launch/op_errors.py
 
 # ---- correctness: the GPU tests (pytest -m gpu), each a PASS/FAIL/SKIP line and a row of its JSON report
 stage correctness 110 correctness.log "$PY" launch/gpu_check.py correctness --out "$WORK"
 
 # ---- speed: figures against targets
-stage speed 60 speed.log "$PY" launch/gpu_check.py speed --n "$N" --out "$WORK"
+old_args=()
+[ -n "$OLD" ] && old_args+=(--old "$OLD")
+stage speed 120 speed.log "$PY" launch/kernel_compare.py speed "${old_args[@]}" --n "$N" \
+    --json "$WORK/gpu_check_speed.json"
 
 # ---- compute-sanitizer on a small workload: ds_q8's kernels only, no caching allocator hiding overruns
 SAN=$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")
@@ -153,10 +164,22 @@ fi
 # ---- Nsight Compute on the step kernels: where their time goes (figures, never a failure)
 NCU=$(command -v ncu || echo "$CUDA_HOME/bin/ncu")
 if [ "$DRY_RUN" = 1 ] || [ -x "$NCU" ]; then
-    stage profile 60 profile.log "$NCU" --clock-control none --kernel-name "regex:step4?_kernel" \
-        --launch-skip 1 --launch-count 2 --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section ComputeWorkloadAnalysis --section WarpStateStats --csv --page details \
-        "$PY" launch/gpu_check.py profile
+    # the earlier and the current kernel twice each, then the 4-bit one twice (kernel_compare.py profile),
+    # or without OLD the 8-bit and 4-bit steps of gpu_check.py profile (the second of each)
+    if [ -n "$OLD" ]; then workload=(launch/kernel_compare.py profile --old "$OLD"); launches=(0 6)
+    else workload=(launch/gpu_check.py profile); launches=(1 2); fi
+    sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis
+              --section WarpStateStats --csv --page details)
+    counters=$("$PY" -c "import sys; sys.path.insert(0, 'launch'); import gpu_check as g; print(','.join(g.PROFILE_COUNTERS))")
+    stalls=$("$PY" -c "import sys; sys.path.insert(0, 'launch'); import gpu_check as g; print(g.PROFILE_STALLS)")
+    stage profile 90 profile.log "$NCU" --clock-control none --kernel-name "regex:step4?_kernel" \
+        --launch-skip "${launches[0]}" --launch-count "${launches[1]}" "${sections[@]}" \
+        --metrics "$counters,$stalls" "$PY" "${workload[@]}"
+    if [ "$DRY_RUN" != 1 ] && grep -q "Failed to find metric" "$WORK/profile.log"; then  # the sections alone
+        echo "INFO profile: a counter is unknown to this ncu; profiling with the sections only"
+        stage profile-sections 45 profile.log "$NCU" --clock-control none --kernel-name "regex:step4?_kernel" \
+            --launch-skip "${launches[0]}" --launch-count "${launches[1]}" "${sections[@]}" "$PY" "${workload[@]}"
+    fi
     [ "$DRY_RUN" = 1 ] || "$PY" launch/gpu_check.py ncu-summary "$WORK/profile.log"
 else
     echo "SKIP profile: ncu not found"
@@ -166,7 +189,7 @@ fi
 stage deepspeed-gpu 40 deepspeed_gpu.log "$PY" -m pytest -q -rs -p no:cacheprovider -m "gpu and multirank" tests
 
 if [ "$DRY_RUN" = 1 ]; then
-    for s in correctness speed sanitize profile; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done
+    for s in correctness sanitize profile; do "$PY" launch/gpu_check.py "$s" --dry-run --out "$OUT" || failed=1; done
     exit $failed
 fi
 verdict=$([ $failed -eq 0 ] && echo PASS || echo FAIL)

@@ -1,6 +1,6 @@
 """Registers, stack frame and spills of every CUDA kernel, as ptxas reports them.
 
-Compiles ds_q8/csrc/cuda/q8_cuda_kernels.cu to an object (no GPU needed) with the op's own nvcc
+Compiles the op's CUDA files (ds_q8/csrc/cuda/*.cu) to objects (no GPU needed) with the op's own nvcc
 flags (Q8CUDABuilder.nvcc_args, torch's common flags and include paths) plus ``-Xptxas -v``, for one
 architecture (default sm_90), and prints one line per kernel. Exit status 1 when any kernel has a
 stack frame or spills: every kernel must keep its per-thread arrays in registers.
@@ -16,7 +16,8 @@ import re
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List
+from concurrent.futures import ThreadPoolExecutor
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,14 +26,23 @@ _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 _REGS = re.compile(r"Used (\d+) registers")
 
 
-def nvcc_command(arch: str, obj: str) -> List[str]:
-    """The nvcc line of the op's kernel file, compiled to ``obj`` for ``sm_<arch>`` with -Xptxas -v."""
+def device_sources(csrc_dir: Optional[str] = None) -> List[str]:
+    """The op's CUDA translation units (Q8CUDABuilder.sources' .cu files), in ``csrc_dir`` if given."""
+    sys.path.insert(0, ROOT)
+    from ds_q8.op_builder import Q8CUDABuilder
+
+    files = [s for s in Q8CUDABuilder().sources() if s.endswith(".cu")]
+    return [os.path.join(csrc_dir, "cuda", os.path.basename(f)) for f in files] if csrc_dir else files
+
+
+def nvcc_command(arch: str, obj: str, source: str, includes: Sequence[str] = (), extra: Sequence[str] = ()) -> List[str]:
+    """The nvcc line of one of the op's CUDA files, compiled to ``obj`` for ``sm_<arch>`` with -Xptxas -v
+    and the op's own flags (``includes`` first on the include path, then the op's)."""
     sys.path.insert(0, ROOT)
     os.environ["TORCH_CUDA_ARCH_LIST"] = f"{arch[0]}.{arch[1:]}"
     from torch.utils import cpp_extension
 
     from ds_q8.op_builder import Q8CUDABuilder
-    from ds_q8.op_builder.common import csrc
 
     builder = Q8CUDABuilder()
     builder.jit_mode = True  # compute_capability_args() then leaves the architectures to torch: given below
@@ -43,11 +53,22 @@ def nvcc_command(arch: str, obj: str) -> List[str]:
     home = cpp_extension.CUDA_HOME
     if not home:
         raise SystemExit("no CUDA toolkit found (set CUDA_HOME to a directory with bin/nvcc)")
-    includes = builder.include_paths() + cpp_extension.include_paths("cuda")
-    return ([os.path.join(home, "bin", "nvcc"), "-c", csrc("cuda", "q8_cuda_kernels.cu"), "-o", obj,
-             "-std=c++20", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-             "-Xptxas", "-v", "-DTORCH_EXTENSION_NAME=_q8_cuda_ptxas"]
-            + cpp_extension.COMMON_NVCC_FLAGS + flags + [f"-I{p}" for p in includes])
+    paths = list(includes) + builder.include_paths() + cpp_extension.include_paths("cuda")
+    return ([os.path.join(home, "bin", "nvcc"), "-c", source, "-o", obj, "-std=c++20", "-Xcompiler", "-fPIC",
+             f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+             "-DTORCH_EXTENSION_NAME=_q8_cuda_ptxas"] + list(extra)
+            + cpp_extension.COMMON_NVCC_FLAGS + flags + [f"-I{p}" for p in paths])
+
+
+def compile_all(arch: str, tmp: str, sources: Sequence[str], includes: Sequence[str] = (),
+                extra: Sequence[str] = ()) -> Tuple[int, str, List[str]]:
+    """nvcc every source side by side; (worst exit status, the logs together, the objects)."""
+    jobs = [(nvcc_command(arch, os.path.join(tmp, f"{i}.o"), src, includes, extra), os.path.join(tmp, f"{i}.o"))
+            for i, src in enumerate(sources)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), os.cpu_count() or 1))) as pool:
+        procs = list(pool.map(lambda job: subprocess.run(job[0], capture_output=True, text=True), jobs))
+    log = "\n".join(" ".join(cmd) + "\n" + p.stdout + p.stderr for (cmd, _), p in zip(jobs, procs))
+    return max(p.returncode for p in procs), log, [obj for _, obj in jobs]
 
 
 def short_name(mangled: str) -> str:
@@ -94,15 +115,13 @@ def main(argv=None) -> int:
     if not re.fullmatch(r"\d{2,3}a?", args.arch):
         ap.error(f"--arch must be a compute capability such as 90 or 80, got {args.arch!r}")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = nvcc_command(args.arch, os.path.join(tmp, "kernels.o"))
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
+        returncode, log, _ = compile_all(args.arch, tmp, device_sources())
     if args.log:
         with open(args.log, "w") as f:
-            f.write(" ".join(cmd) + "\n" + log)
-    if proc.returncode != 0:
+            f.write(log)
+    if returncode != 0:
         print(log[-8000:], file=sys.stderr)
-        print(f"FAIL nvcc exited with {proc.returncode}", file=sys.stderr)
+        print(f"FAIL nvcc exited with {returncode}", file=sys.stderr)
         return 2
     rows = parse(log)
     if not rows:

@@ -140,10 +140,9 @@ def load_ds_config(args) -> dict:
     if args.grad_accum is not None:
         cfg["gradient_accumulation_steps"] = args.grad_accum
         cfg.pop("train_batch_size", None)
-    opt = cfg.setdefault("optimizer", {}).setdefault("params", {})
     sched = cfg.get("scheduler", {}).get("params", {})
-    if args.lr is not None:
-        opt["lr"] = args.lr
+    if args.lr is not None:  # a config without an optimizer section (a client optimizer's) keeps none otherwise
+        cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
         if isinstance(sched.get("warmup_max_lr"), (int, float)):
             # the warm-up keeps the config's shape: its start moves with the peak, so a peak below the
             # config's start does not turn the warm-up into a decay
@@ -154,6 +153,11 @@ def load_ds_config(args) -> dict:
     if sched.get("total_num_steps") == "auto":
         sched["total_num_steps"] = args.max_steps
     return cfg
+
+
+def config_weight_decay(cfg: dict) -> float:
+    """The optimizer's weight decay in a DeepSpeed config (0 where it names none)."""
+    return float(cfg.get("optimizer", {}).get("params", {}).get("weight_decay", 0.0))
 
 
 def step_seed(seed: int, rank: int, step: int) -> int:
@@ -305,8 +309,7 @@ def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
     model = gpt_models.build_model(config, args.stable_embedding, torch.bfloat16 if bf16 else None)
     n_params = sum(p.numel() for p in model.parameters())
-    weight_decay = float(cfg["optimizer"]["params"].get("weight_decay", 0.0))
-    groups = ds_q8.param_groups(model, weight_decay)  # embeddings keep 32-bit state
+    groups = ds_q8.param_groups(model, config_weight_decay(cfg))  # embeddings keep 32-bit state
     if args.copy_bf16_masters:
         from ds_q8.integration import host_copies, shared_masters
 

@@ -52,12 +52,18 @@ def test_cuda_extension_compiles_and_imports(monkeypatch):
     module = b.load()
     # every rule Python knows has its functor, and no other
     assert set(module.rules()) == {r.kernel for r in vars(rules).values() if isinstance(r, rules.Rule) and r.has_kernel}
-    # the table, then the segment search's tables (512 bytes) and a word saying they are usable
+    # the table, the segment search's tables (512 bytes) and a word saying they are usable, then from the
+    # next 16-byte boundary the step's floor tables (q8_floortable.h) and a word saying they are
     table_size = 0xC000 - 0x3FFF + 1
+    fast_flag = table_size + 512 // 4
+    floor_at = (fast_flag + 1 + 3) // 4 * 4
+    floor_words = 2 * (0x3F80 - 0x3480 + 1) + 2 * 256 + 256 + 256 + 2
     lookup = module.build_lookup(F.create_dynamic_map(True))
-    assert lookup.dtype == torch.int32 and lookup.numel() == table_size + 512 // 4 + 1
-    assert lookup[-1].item() == 1
-    assert module.build_lookup(F.create_linear_map(signed=True))[-1].item() == 0  # no zero entry: no search
+    assert lookup.dtype == torch.int32 and lookup.numel() == floor_at + floor_words + 4
+    assert lookup[fast_flag].item() == 1 and lookup[floor_at + floor_words].item() == 1
+    linear = module.build_lookup(F.create_linear_map(signed=True))
+    assert linear[fast_flag].item() == 0  # no zero entry: no segment search
+    assert linear[floor_at + floor_words].item() == 1  # but floor tables
     assert module.limits() == {"min_block_size": F.MIN_BLOCK_SIZE, "max_block_size": F.MAX_BLOCK_SIZE,
                                "max_states": F.MAX_STATES}
 

@@ -1,4 +1,4 @@
-"""The CUDA op's list steps: step_many (one launch per 32 tensors) with its device skip flag, and
+"""The CUDA op's list steps: step_many (one launch for all its tensors) with its device skip flag, and
 step_fp32_many (float32 states), bit-identical to the pure-PyTorch reference on the same GPU; offset
 views whose pointers are only 8-, 4- or 2-byte aligned. All but the lookup-cache test need a CUDA GPU."""
 import pytest
@@ -49,7 +49,7 @@ def _snapshot(params, states, absmax):
 
 @pytest.mark.gpu
 def test_skip_flag_writes_nothing_and_zero_flag_changes_nothing(cuda_op):
-    args = _adamw_lists(cuda_op, SIZES * 5)  # 40 tensors: two launches
+    args = _adamw_lists(cuda_op, SIZES * 5)  # 40 tensors
     params, grads, states, absmax, maps, lookups, hyper = args
     before = _snapshot(params, states, absmax)
     cuda_op.step_many("adamw", params, grads, states, absmax, maps, lookups, 256, hyper, [], [],

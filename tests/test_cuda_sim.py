@@ -168,11 +168,11 @@ def test_four_bit_state_parameter_writes(sim, options):
 
 
 def test_lists_longer_than_one_launch(sim):
-    """40 tensors: two launches per step (32 tensors each at most), each CTA finding its tensor."""
+    """40 tensors: one launch per step, each CTA walking tiles of many tensors."""
     sizes = [1 + (37 * i) % 700 for i in range(40)]
     before = launches(sim)
     kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes, torch.float32, steps=2)
-    assert launches(sim) - before == 4
+    assert launches(sim) - before == 2
     assert_same(kernel, reference, "40 tensors")
 
 
@@ -257,7 +257,7 @@ def test_misaligned_code_views_match_aligned_copies(sim):
 
 
 def test_skip_flag_set_and_clear(sim):
-    args = _lists(sim, sizes_of(256) * 7)  # 42 tensors: two launches
+    args = _lists(sim, sizes_of(256) * 7)  # 42 tensors
     p, g, s, a, maps, lookups, hyper = args
     before = _flat(p, s, a)
     sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, [], [], skip=torch.ones(1, dtype=torch.int32))
@@ -366,27 +366,30 @@ PLANTED = {
         "void load_words(const void* p, uint32_t (&w)[kWords], int align) {\n"
         "    if (kWords % 4 == 0 && align >= (Q8_SIM_BUG(4) ? 8 : 16)) {",
         "test_offset_views_match_aligned_copies and dtype0-2", "misaligned address"),
-    5: ("asan", "the wrong tensor from the list search",
-        "        if (list.first_cta[mid] <= b) lo = mid;\n",
-        "        if (Q8_SIM_BUG(5) ? list.first_cta[mid] < b : list.first_cta[mid] <= b) lo = mid;\n",
+    5: ("asan", "the wrong tensor for a tile from the list",
+        "        while (list.first_tile[t + 1] <= tile) ++t;\n",
+        "        while (Q8_SIM_BUG(5) ? list.first_tile[t + 1] < tile : list.first_tile[t + 1] <= tile) ++t;\n",
         "test_lists_longer_than_one_launch", "differ"),
 }
 
 
 def planted_copy() -> str:
-    """The .cu with every planted bug behind its switch, at a stable path (so its builds are cached)."""
-    with open(sim_op.CU) as f:
-        source = f.read()
-    for n, (_, what, old, new, _, _) in PLANTED.items():
-        assert source.count(old) == 1, f"planted bug {n} ({what}): its text is no longer in the .cu once"
-        source = source.replace(old, new)
+    """The device code with every planted bug behind its switch, at a stable path (so its builds are
+    cached); returns the copy of q8_cuda_kernels.cu, beside the copies of the files it includes."""
     folder = os.path.join(sim_op.build_dir(), "ds_q8_cuda_sim_planted")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "q8_cuda_kernels.cu")
-    if not os.path.exists(path) or open(path).read() != source:
-        with open(path, "w") as f:
-            f.write(source)
-    return path
+    sources = {os.path.basename(p): open(p).read() for p in sim_op.device_sources(os.path.dirname(sim_op.CU))}
+    for n, (_, what, old, new, _, _) in PLANTED.items():
+        holders = [name for name, text in sources.items() if text.count(old) == 1]
+        assert len(holders) == 1 and sum(t.count(old) for t in sources.values()) == 1, \
+            f"planted bug {n} ({what}): its text is no longer in the device code once"
+        sources[holders[0]] = sources[holders[0]].replace(old, new)
+    for name, text in sources.items():
+        path = os.path.join(folder, name)
+        if not os.path.exists(path) or open(path).read() != text:
+            with open(path, "w") as f:
+                f.write(text)
+    return os.path.join(folder, "q8_cuda_kernels.cu")
 
 
 def _run_planted(build, bug, select):

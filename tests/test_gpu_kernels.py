@@ -128,7 +128,7 @@ def test_side_stream(kernel_device, module):
 
 
 def test_skip_flag(kernel_device, module):
-    """Flag 1 writes nothing, flag 0 steps; 40 tensors, so two launches."""
+    """Flag 1 writes nothing, flag 0 steps; 40 tensors in one launch."""
     if kernel_device != "cuda":
         pytest.skip("the skip flag is CUDA's")
     bs = 256

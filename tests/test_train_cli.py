@@ -72,7 +72,10 @@ def test_every_shipped_config_is_json_with_a_known_optimizer():
     readme = (CONFIGS / "README.md").read_text()
     for name in names:
         cfg = json.loads((CONFIGS / name).read_text())
-        assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam", "AdamW", "Muon"}, name
+        if "optimizer" in cfg:
+            assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam", "AdamW", "Muon"}, name
+        else:  # a client optimizer's: DeepSpeed must be told to accept it under ZeRO
+            assert cfg["zero_allow_untested_optimizer"] is True, name
         assert name in readme, f"{name} is not explained in ds_configs/README.md"
     xl8 = json.loads((CONFIGS / "gpt2_xl_8bit_zero2.json").read_text())
     xl32 = json.loads((CONFIGS / "gpt2_xl_32bit_zero2.json").read_text())

@@ -25,7 +25,7 @@ def use_cuda_home() -> Optional[str]:
     return home
 
 
-def _plain_arch_list(value: str) -> str:
+def plain_arch_list(value: str) -> str:
     """TORCH_CUDA_ARCH_LIST with each ``X.Ya``/``X.Yf`` entry written ``X.Y`` (``+PTX`` kept), duplicates
     dropped in order; ``9.0a;8.0+PTX`` -> ``9.0;8.0+PTX``. Entries it does not recognise stay as they are."""
     out = []
@@ -41,6 +41,10 @@ def _plain_arch_list(value: str) -> str:
     return ";".join(out)
 
 
+#: the step's translation units (kStepParts in csrc/cuda/q8_cuda_step.cuh)
+STEP_PARTS = 4
+
+
 class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
     NAME = "_q8_cuda"
     DESCRIPTION = ("ds_q8 CUDA kernels", "a few minutes")
@@ -50,7 +54,9 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         super().__init__(name=self.NAME)
 
     def sources(self):
-        return [csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
+        # the rules' kernels come in several translation units, which a build compiles side by side
+        return ([csrc("cuda", "q8_cuda.cpp"), csrc("cuda", "q8_cuda_kernels.cu")]
+                + [csrc("cuda", f"q8_cuda_step_{n}.cu") for n in range(STEP_PARTS)])
 
     def cxx_args(self):
         # the host C++ file builds lookup tables: no FMA contraction there either, as in the CPU op
@@ -72,7 +78,7 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
         its plain ``X.Y`` (the same machine code runs on the ``a``/``f`` device)."""
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if arch:
-            plain = _plain_arch_list(arch)
+            plain = plain_arch_list(arch)
             if plain != arch:
                 self.warning(f"{self.name}: TORCH_CUDA_ARCH_LIST={arch!r} is built as {plain!r} (the kernels "
                              "need no architecture-specific instruction)")

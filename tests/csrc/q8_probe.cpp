@@ -3,9 +3,15 @@
 // search check) into a separate extension.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <memory>
+
 #include "q8_binding.h"
 #include "q8_cpu_api.h"
 #include "q8_fastmap.h"
+#include "q8_floortable.h"
 
 namespace ds_q8 {
 namespace {
@@ -33,6 +39,90 @@ int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& l
                                          (float)limit, at::get_num_threads());
 }
 
+std::unique_ptr<FloorTable> floor_table_of(const torch::Tensor& code) {
+    TORCH_CHECK_VALUE(code.device().is_cpu(), "code must be a CPU tensor, got ", code.device());
+    binding::check_code(code);
+    auto t = std::make_unique<FloorTable>();
+    if (!q8_build_floortable(code.data_ptr<float>(), t.get())) t.reset();
+    return t;
+}
+
+// Whether the map gets the CUDA step's floor tables (q8_build_floortable accepts it).
+bool floor_table(const torch::Tensor& code) { return floor_table_of(code) != nullptr; }
+
+// The codes the CUDA step's table path gives scaled values y (finite, |y| <= 1 + 2^-7; -0.0 as +0.0,
+// as the kernel's fma makes it) with random bits `bits` (int64, 32 bits each), or to nearest.
+torch::Tensor floor_round(const torch::Tensor& code, const torch::Tensor& y, const torch::Tensor& bits,
+                          bool stochastic) {
+    auto t = floor_table_of(code);
+    TORCH_CHECK_VALUE(t != nullptr, "the map has no floor tables");
+    TORCH_CHECK_VALUE(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && bits.scalar_type() == torch::kInt64 &&
+                          bits.numel() == y.numel() && bits.is_contiguous(),
+                      "y must be contiguous float32 and bits as many contiguous int64");
+    auto out = torch::empty({y.numel()}, torch::kUInt8);
+    const float* yp = y.data_ptr<float>();
+    const int64_t* bp = bits.data_ptr<int64_t>();
+    uint8_t* op = out.data_ptr<uint8_t>();
+    for (int64_t i = 0; i < y.numel(); ++i) {
+        const float v = yp[i] + 0.0f;
+        TORCH_CHECK_VALUE(v == v && fabsf(v) < 1.0078125f, "y[", i, "] = ", yp[i], " is outside the table's range");
+        op[i] = (uint8_t)q8_floor_round(*t, v, stochastic, (uint32_t)bp[i]);
+    }
+    return out;
+}
+
+// Every float y in [-limit, limit] but -0.0, in value order, against the reference's rule (ds_q8/
+// functional.py quantize_scaled) computed by counting: the nearest code, and for stochastic rounding
+// the reference's pair of entries, which must be the table's (F, F + 1) with the same gap, or where the
+// reference's pair is one entry (the ends) the table's choice at the extreme random draws. -1 when the
+// map has no tables; else the number of floats where they differ.
+int64_t floor_table_mismatches(const torch::Tensor& code, double limit) {
+    TORCH_CHECK_VALUE(limit >= 0.0 && limit < 1.0078125, "limit must be in [0, 1 + 2^-7), got ", limit);
+    auto tp = floor_table_of(code);
+    if (!tp) return -1;
+    const FloorTable& t = *tp;
+    const float* c = code.data_ptr<float>();
+    float mid[255];
+    for (int i = 0; i < 255; ++i) mid[i] = i == 0 && c[0] == 0.0f ? 0.0f : (c[i] + c[i + 1]) * 0.5f;
+    const uint32_t top = q8_bits((float)limit);
+    // keys in value order: negative floats from -limit up to the smallest negative, then +0 to limit
+    const int64_t negatives = (int64_t)top, total = 2 * (int64_t)top + 1;
+    auto value_at = [&](int64_t k) { return k < negatives ? -q8_float(top - (uint32_t)k) : q8_float((uint32_t)(k - negatives)); };
+    std::atomic<int64_t> bad{0};
+    at::parallel_for(0, total, 1 << 22, [&](int64_t begin, int64_t end) {
+        int n = 0;  // #{mid < y}, kept as y grows
+        float y0 = value_at(begin);
+        while (n < 255 && mid[n] < y0) ++n;
+        int64_t local = 0;
+        for (int64_t k = begin; k < end; ++k) {
+            const float y = value_at(k);
+            while (n < 255 && mid[n] < y) ++n;
+            const uint32_t key = q8_key(y);
+            const uint32_t f = q8_floor_from_row((&t.row[0][0])[q8_floor_row(q8_bits(y))], key);
+            const uint32_t nearest = f + (t.mid[f] < y ? 1u : 0u);
+            bool ok = nearest == (uint32_t)n;
+            const bool up = y >= c[n];
+            const int nb = up ? (n < 255 ? n + 1 : 255) : (n > 0 ? n - 1 : 0);
+            const int lo = up ? n : nb, hi = up ? nb : n;
+            const bool zero_point = c[0] == 0.0f && lo == 0 && hi == 1;
+            if (lo != hi && !zero_point) {
+                ok = ok && (uint32_t)lo == f && t.pair[f][0] == c[lo] &&
+                     t.pair[f][1] * 16777216.0f == c[hi] - c[lo];
+            } else {
+                for (uint32_t r : {0u, 0xFFFFFFFFu}) {
+                    const float u = (float)(r >> 8) * 5.9604644775390625e-08f;
+                    uint32_t want = u * (c[hi] - c[lo]) < y - c[lo] ? (uint32_t)hi : (uint32_t)lo;
+                    if (c[0] == 0.0f && want == 0u && y > 0.0f) want = 1u;
+                    ok = ok && q8_floor_round(t, y, true, r) == want;
+                }
+            }
+            local += ok ? 0 : 1;
+        }
+        bad += local;
+    });
+    return bad.load();
+}
+
 }  // namespace
 }  // namespace ds_q8
 
@@ -41,4 +131,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fast_search", &ds_q8::fast_search, "True when the map gets segment tables (no lookup-table search)");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
           "AVX-512 segment search vs lookup table over every float in [-limit, limit]; -1 without tables");
+    m.def("floor_table", &ds_q8::floor_table, "True when the map gets the CUDA step's floor tables");
+    m.def("floor_round", &ds_q8::floor_round, "codes of scaled values by the CUDA step's floor tables");
+    m.def("floor_table_mismatches", &ds_q8::floor_table_mismatches,
+          "the floor tables vs the reference's rule over every float in [-limit, limit]; -1 without tables");
 }

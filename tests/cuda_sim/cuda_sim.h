@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>  // before __CUDACC__ below: torch's headers must see a host compiler
 
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -49,7 +50,10 @@
 #define __grid_constant__
 #define __shared__ __attribute__((section("q8sim_shared"))) static
 
+#define __launch_bounds__(...)
+
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) float2 { float x, y; };
 struct alignas(8) uint2 { unsigned int x, y; };
 struct uint3 { unsigned int x, y, z; };
 struct dim3 {
@@ -76,6 +80,7 @@ inline float __uint_as_float(unsigned int u) {
 }
 template <class T>
 inline T __ldg(const T* p) { return *p; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 
 inline double atomicAdd(double* address, double value) {
     auto* word = reinterpret_cast<uint64_t*>(address);
@@ -259,8 +264,15 @@ T shfl_xor(int line, unsigned mask, T var, int lane_mask, int width = kWarp) {
     return out;
 }
 
-// 0xFF in every byte of every __shared__ variable: a float read before a write is NaN.
+// The launch's dynamic shared memory (Q8_DYNAMIC_SHARED): one buffer, as CTAs run one after another.
+inline std::vector<uint4> dynamic_buffer;
+
+inline void* dynamic_shared() { return dynamic_buffer.data(); }
+
+// 0xFF in every byte of every __shared__ variable and of the dynamic shared memory: a float read
+// before a write is NaN.
 __attribute__((no_sanitize("address"))) inline void poison_shared() {
+    if (!dynamic_buffer.empty()) std::memset(dynamic_buffer.data(), 0xFF, dynamic_buffer.size() * sizeof(uint4));
     if (__start_q8sim_shared == nullptr) return;
     for (volatile char* p = __start_q8sim_shared; p < __stop_q8sim_shared; ++p) *p = (char)0xFF;
 }
@@ -333,11 +345,21 @@ inline double watchdog_seconds() {
     return s != nullptr && std::atof(s) > 0 ? std::atof(s) : 60.0;
 }
 
-// A kernel launch: `grid` CTAs of `threads` threads, each running `body` (the kernel call).
+// What the harness reports as the device: few multiprocessors holding few CTAs each, so that the
+// persistent kernels' CTAs each walk several tiles.
+constexpr int kSimMultiprocessors = 2;
+constexpr int kSimCtasPerMultiprocessor = 2;
+constexpr size_t kSimSharedPerCta = 227 * 1024;  // a Hopper multiprocessor's most for one CTA
+
+// A kernel launch: `grid` CTAs of `threads` threads with `smem` bytes of dynamic shared memory, each
+// running `body` (the kernel call).
 template <class Body>
-void launch(const char* name, int64_t grid, int64_t threads, Body&& body) {
+void launch(const char* name, int64_t grid, int64_t threads, size_t smem, Body&& body) {
     TORCH_CHECK(grid >= 1 && grid <= INT32_MAX && threads >= 1 && threads <= 1024, "cuda_sim: launch of ", name,
                 " with grid ", grid, " and ", threads, " threads per CTA, outside CUDA's limits");
+    TORCH_CHECK(smem <= kSimSharedPerCta, "cuda_sim: launch of ", name, " with ", smem, " bytes of dynamic shared "
+                "memory, more than a CTA can have");
+    dynamic_buffer.assign((smem + sizeof(uint4) - 1) / sizeof(uint4), uint4{});
     Launch L;
     L.name = name;
     L.grid = grid;
@@ -379,5 +401,26 @@ void launch(const char* name, int64_t grid, int64_t threads, Body&& body) {
 #define Q8_SIM_BUG(n) (::q8sim::planted_bug() == (n))
 #define __syncthreads() ::q8sim::syncthreads(__LINE__)
 #define __shfl_xor_sync(...) ::q8sim::shfl_xor(__LINE__, __VA_ARGS__)
-#define Q8_LAUNCH(kernel, grid, threads, stream, ...) \
-    ::q8sim::launch(#kernel, (int64_t)(grid), (int64_t)(threads), [&] { kernel(__VA_ARGS__); })
+#define Q8_LAUNCH(kernel, grid, threads, smem, stream, ...) \
+    ::q8sim::launch(#kernel, (int64_t)(grid), (int64_t)(threads), (size_t)(smem), [&] { kernel(__VA_ARGS__); })
+#define Q8_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::q8sim::dynamic_shared())
+
+// The CUDA runtime calls of the launchers, answered for the harness's device.
+using cudaError_t = int;
+constexpr cudaError_t cudaSuccess = 0;
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+inline cudaError_t cudaGetDevice(int* device) { return *device = 0, cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+    TORCH_CHECK(attr == cudaDevAttrMultiProcessorCount, "cuda_sim: device attribute ", (int)attr, " is not modelled");
+    return *value = ::q8sim::kSimMultiprocessors, cudaSuccess;
+}
+template <class Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel, cudaFuncAttribute, int value) {
+    TORCH_CHECK((size_t)value <= ::q8sim::kSimSharedPerCta, "cuda_sim: ", value, " bytes of shared memory asked for");
+    return cudaSuccess;
+}
+template <class Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, Kernel, int, size_t) {
+    return *n = ::q8sim::kSimCtasPerMultiprocessor, cudaSuccess;
+}

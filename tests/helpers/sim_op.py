@@ -1,6 +1,6 @@
 """Builds and loads the CUDA op's CPU execution harness (tests/cuda_sim): the CUDA op's binding and
-its device code (``q8_cuda_kernels.cu``, unmodified, or a planted-bug copy), compiled with g++ as host
-C++ over ``cuda_sim.h``. The module has the CUDA op's API and takes CPU tensors.
+its device code (``q8_cuda_kernels.cu`` and the step's parts, unmodified, or planted-bug copies),
+compiled with g++ as host C++ over ``cuda_sim.h``. The module has the CUDA op's API and takes CPU tensors.
 
 Builds: ``plain``; ``tsan`` (``-fsanitize=thread``); ``asan`` (``-fsanitize=address,undefined``, the
 first report ends the process). A sanitizer build loads only into a process started with its runtime
@@ -60,6 +60,12 @@ def build_dir() -> str:
     return os.path.dirname(_get_build_directory("ds_q8_cuda_sim", verbose=False))
 
 
+def device_sources(folder: str):
+    """The CUDA op's device code in ``folder``: q8_cuda_kernels.cu, the step's header and its parts."""
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if n.startswith("q8_cuda_") and n.endswith((".cu", ".cuh")))
+
+
 def load(build: str = BUILD, kernels: str = CU, name: str = ""):
     """The harness module of ``build`` with the device code of ``kernels`` (a ``q8_cuda_kernels.cu``)."""
     if build not in FLAGS:
@@ -76,7 +82,7 @@ def _load(build, kernels, name):
     from ds_q8.op_builder.common import csrc, headers_define
 
     # torch rebuilds on changed sources and flags, not included files: their digest goes into the flags
-    digest = _digest([kernels] + _sim_files())
+    digest = _digest(device_sources(os.path.dirname(kernels)) + _sim_files())
     flags = ["-O1", "-g", "-ffp-contract=off", "-fno-fast-math", "-Wno-unknown-pragmas",
              headers_define(), f"-DQ8_SIM_SOURCE={digest}"] + FLAGS[build]
     return jit_load(name=f"ds_q8_cuda_sim_{build}{name}", sources=[os.path.join(SIM, "binding.cpp"),

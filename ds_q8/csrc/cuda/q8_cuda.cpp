@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <memory>
 #include <map>
 #include <string>
 #include <vector>
@@ -38,7 +39,7 @@ void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const tor
 }
 
 // The lookup tensor of a map (CPU in and out; see kDeviceLookupSize): the table, then the segment
-// search's tables when the map has them.
+// search's and the step's tables when the map has them.
 torch::Tensor build_lookup(const torch::Tensor& code) {
     const torch::Tensor table = binding::build_lookup(code);  // checks the map
     auto out = torch::zeros({kDeviceLookupSize}, torch::kInt32);
@@ -47,6 +48,11 @@ torch::Tensor build_lookup(const torch::Tensor& code) {
     if (q8_build_fastmap(code.data_ptr<float>(), &fast)) {
         std::memcpy(out.data_ptr<int32_t>() + kLookupSize, &fast, sizeof(FastMap));
         out.data_ptr<int32_t>()[kLookupSize + kFastWords] = 1;
+    }
+    auto floor = std::make_unique<FloorTable>();
+    if (q8_build_floortable(code.data_ptr<float>(), floor.get())) {
+        std::memcpy(out.data_ptr<int32_t>() + kDeviceFloorOffset, floor.get(), sizeof(FloorTable));
+        out.data_ptr<int32_t>()[kDeviceFloorFlag] = 1;
     }
     return out;
 }
@@ -294,7 +300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), skip, params_sr, states_sr);
     m.def("step_many", &ds_q8::step_many,
-          "fused 8-bit step of many tensors, in place: one launch per 32 tensors; nothing is written when "
+          "fused 8-bit step of many tensors, in place: one launch for all of them; nothing is written when "
           "skip (one int32 on the device) is non-zero; corrections: each bf16 param's correction bytes, or none",
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"),
           arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr, states_sr,
@@ -304,7 +310,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"), arg("sr_index"),
           skip, arg("corrections") = std::vector<torch::Tensor>{});
     m.def("step4_many", &ds_q8::step4_many,
-          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors, in place: one launch per 32 tensors",
+          "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors, in place: one launch for all of them",
           arg("rule"), arg("params"), arg("grads"), arg("m_codes"), arg("v_codes"), arg("m_absmax"), arg("v_max"),
           arg("maps"), arg("block_size"), arg("hyper"), arg("sr_keys"), arg("sr_index"), skip, params_sr,
           arg("corrections") = std::vector<torch::Tensor>{});

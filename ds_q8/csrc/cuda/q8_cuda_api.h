@@ -10,13 +10,18 @@
 
 #include "../cpu/q8_fastmap.h"
 #include "q8_common.h"  // Q8_MAX_STATES
+#include "q8_floortable.h"
 
 namespace ds_q8 {
 
-// The lookup tensor of the CUDA op (its build_lookup): the q8_build_lookup table, then the map's
-// segment-search tables (a FastMap, kFastWords words, copied into shared memory by the kernels),
-// then one word that is 1 when that FastMap is usable (0: the table answers every value).
-constexpr int kDeviceLookupSize = kLookupSize + kFastWords + 1;
+// The lookup tensor of the CUDA op (its build_lookup): the q8_build_lookup table; the map's
+// segment-search tables (a FastMap, kFastWords words, copied into shared memory by the quantize
+// kernel) and one word that is 1 when that FastMap is usable; from the next 16-byte boundary the map's
+// FloorTable (copied into shared memory by the step kernels) and one word that is 1 when it is usable
+// (0: the lookup table answers every value).
+constexpr int kDeviceFloorOffset = (kLookupSize + kFastWords + 1 + 3) / 4 * 4;
+constexpr int kDeviceFloorFlag = kDeviceFloorOffset + kFloorWords;
+constexpr int kDeviceLookupSize = kDeviceFloorFlag + 4;
 
 // The step of many tensors that share a rule, dtypes, maps, block size and hyperparameters.
 struct StepBatch {
@@ -41,7 +46,7 @@ struct StepBatch {
     at::Tensor four_maps;
 };
 
-// Launches on the current stream: one kernel per group of up to 32 tensors.
+// Launches on the current stream: one kernel for every tensor of the batch.
 void cuda_step_many(const StepBatch& batch, const std::map<std::string, double>& hyper);
 // the map itself is not needed: the lookup tensor (built from it) gives each value's nearest entry
 void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,

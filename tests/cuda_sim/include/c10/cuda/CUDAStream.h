@@ -14,3 +14,5 @@ inline CUDAStream getCurrentCUDAStream() { return {}; }
 
 // The harness reports a failed launch by throwing from the launch itself.
 #define C10_CUDA_KERNEL_LAUNCH_CHECK() ((void)0)
+// Its runtime calls (cuda_sim.h) answer cudaSuccess or throw.
+#define C10_CUDA_CHECK(expr) TORCH_CHECK((expr) == 0, "cuda_sim: ", #expr, " failed")
