@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -185,8 +186,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for job in plan:
+        start = time.perf_counter()
         results[job["name"]] = run_job(job, rank, world)
         dist.barrier()
+        results[job["name"]]["seconds"] = round(time.perf_counter() - start, 2)  # to see where a fixture's time goes
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
