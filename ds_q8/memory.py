@@ -1,20 +1,11 @@
-"""Optimizer-state bytes per rank predicted for a model / ZeRO stage / world size (``model_states.py`` measures them).
+"""Memory per rank predicted for a model / ZeRO stage / world size, and the command that prints it.
 
 ``python -m ds_q8.memory --model gpt2-xl --stage 2 --world-size 1 8`` prints a table comparing
-32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state; ``--ladder`` prints
-the whole model states of each way to train with bf16 parameters (the ladder; ``model_states.py`` counts
-them on live engines).
-
-The prediction follows how ZeRO lays out what the optimizer sees:
-  * stage 0: every parameter is its own tensor on every rank;
-  * stages 1 and 2: one flat tensor per parameter group, padded to a multiple of
-    2 * world_size, of which each rank holds an equal share;
-  * stage 3: each parameter is cut into world_size equal parts (rounded up); a rank
-    concatenates its parts into sub-groups of about ``sub_group_size`` elements.
-Whatever a rank holds, ds_q8 keeps state per parameter slice: 8-bit codes plus one absmax (bfloat16) per
-block of the *parameter* that the slice touches (a block cut by a partition edge is counted by
-each rank holding part of it), or fp32 for parameters below ``min_8bit_size`` elements, in 32-bit
-groups or marked 32-bit. Padding has no state.
+32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state (``state_memory``
+predicts what each rank holds; ``model_states.py`` measures it); ``--ladder`` prints the whole model
+states of each way to train with bf16 parameters (the ladder; ``model_states.py`` counts them on live
+engines); ``--offload`` the host and device bytes under ZeRO-Offload (``host_memory`` predicts them,
+``host_states`` counts them on live engines).
 """
 from __future__ import annotations
 
@@ -23,162 +14,10 @@ import json
 import math
 from typing import Dict, Iterable, List, Sequence
 
-
-from . import format4
 from . import functional as F
-from .optim.layout import Segment, StateLayout, shared_blocks
-from .optim.qstate import ABSMAX_BYTES, QuantizedState
-
-def _num_states(optimizer: str, optimizer_params: dict = None) -> int:
-    """How many states ``optimizer`` keeps per tensor when built with ``optimizer_params``, as its
-    ``rule_for`` answers for the group it forms (RMSprop8bitBlock with momentum: two)."""
-    from .registry import OPTIMIZERS
-
-    if optimizer in OPTIMIZERS:
-        return OPTIMIZERS[optimizer].rule_when_built(**(optimizer_params or {})).num_states
-    raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
-
-
-def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, min_8bit_size: int) -> int:
-    """Bytes of one tensor's optimizer state (without the step counter)."""
-    if numel == 0:
-        return 0
-    if bits == 8 and numel >= min_8bit_size:
-        return num_states * (numel + ABSMAX_BYTES * F.num_blocks(numel, block_size))
-    if bits == 4 and numel >= min_8bit_size:  # Adam's two moments (format4.py): bf16 and fp32 maxima
-        maxima = sum(dtype.itemsize for dtype in format4.ABSMAX_DTYPES)
-        return 2 * format4.packed_bytes(0, numel) + maxima * F.num_blocks(numel, block_size)
-    return num_states * 4 * numel
-
-
-def state_tensor_sizes(groups: Sequence[Sequence[int]], stage: int, world_size: int,
-                       sub_group_size: int = 1_000_000_000) -> List[List[int]]:
-    """Sizes of the tensors one rank's optimizer holds state for, per parameter group.
-
-    ``groups`` lists each parameter group's parameter sizes. Ranks can differ only by padding,
-    so the sizes returned are those of the rank with the most elements.
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-    out = []
-    for sizes in groups:
-        sizes = [int(n) for n in sizes if int(n) > 0]
-        if stage == 0:
-            out.append(sizes)
-        elif stage in (1, 2):
-            total = sum(sizes)
-            align = 2 * world_size
-            padded = math.ceil(total / align) * align
-            out.append([padded // world_size] if total else [])
-        else:
-            subs, current = [], 0
-            for i, n in enumerate(sizes):
-                current += math.ceil(n / world_size)
-                if current >= sub_group_size or i == len(sizes) - 1:
-                    subs.append(current)
-                    current = 0
-            out.append(subs)
-    return out
-
-
-def rank_segments(sizes: Sequence[int], stage: int, world_size: int, rank: int) -> List[tuple]:
-    """``(param_index, param_start, numel)`` of every slice of a group's parameters that ``rank`` holds.
-
-    Stages 1 and 2 concatenate the group, pad it to a multiple of 2 * world_size and give each rank
-    an equal share; stage 3 gives each rank ``ceil(n / world_size)`` elements of every parameter.
-    """
-    _check_layout_args(stage, world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size - 1}], got {rank!r}")
-    sizes = [int(n) for n in sizes]
-    if stage == 0:
-        return [(i, 0, n) for i, n in enumerate(sizes) if n > 0]
-    out = []
-    if stage in (1, 2):
-        total = sum(sizes)
-        padded = math.ceil(total / (2 * world_size)) * 2 * world_size
-        lo, hi = rank * padded // world_size, (rank + 1) * padded // world_size
-        offset = 0
-        for i, n in enumerate(sizes):
-            a, b = max(lo, offset), min(hi, offset + n)
-            if a < b:
-                out.append((i, a - offset, b - a))
-            offset += n
-        return out
-    for i, n in enumerate(sizes):
-        part = math.ceil(n / world_size)
-        held = max(0, min(part, n - rank * part))
-        if held:
-            out.append((i, rank * part, held))
-    return out
-
-
-def rank_layout(sizes: Sequence[int], stage: int, world_size: int, rank: int, eight_bit, block_size,
-                state_bits: int = 8) -> StateLayout:
-    """The layout of what ``rank`` holds of one group (:func:`rank_segments`, slices side by side), with
-    ``eight_bit(i)`` saying whether parameter ``i`` keeps 8-bit state: the object whose storage the
-    optimizer will allocate, so the estimate counts what it will hold."""
-    segments, offset = [], 0
-    for i, start, numel in rank_segments(sizes, stage, world_size, rank):
-        segments.append(Segment(offset, numel, i, start, int(sizes[i]), bool(eight_bit(i))))
-        offset += numel
-    cut = shared_blocks(segments, block_size)
-    return StateLayout((offset,), segments, block_size, slots={b: j for j, b in enumerate(cut)}, num_slots=len(cut),
-                       state_bits=state_bits)
-
-
-def _check_layout_args(stage, world_size) -> None:
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-
-
-def estimate_state_bytes(groups: Sequence[Sequence[int]], stage: int, world_size: int, optimizer: str = "Adam8bitBlock",
-                         bits: int = 8, block_size: int = F.DEFAULT_BLOCK_SIZE,
-                         min_8bit_size: int = F.DEFAULT_MIN_8BIT_SIZE,
-                         group_bits: Sequence[int] = None, sub_group_size: int = 1_000_000_000,
-                         rank: int = None, param_bits: Sequence[Sequence[int]] = None,
-                         group_states: Sequence[int] = None, optimizer_params: dict = None) -> int:
-    """Predicted optimizer-state bytes on one rank (``rank``; None: the rank that holds the most).
-
-    Each parameter keeps 8-bit state when its group's bits are 8, its full size reaches
-    ``min_8bit_size`` and ``param_bits`` (per group, per parameter: 8 or 32, e.g. 32 for a
-    StableEmbedding) does not say 32, whatever partition holds it. ``group_bits`` overrides
-    ``bits`` per group. ``sub_group_size`` (stage 3) does not change the bytes: sub-groups end at
-    parameter boundaries. ``group_states`` gives each group's number of states where the optimizer
-    runs a rule per group (``Muon8bitBlock``: 1 for Muon's matrices, 2 for the auxiliary AdamW; see
-    :func:`gpt2_muon_groups`); by default every group keeps as many as ``optimizer`` built with
-    ``optimizer_params`` (its keyword arguments, a DeepSpeed config's ``"params"``) keeps for its group.
-    """
-    F.check_block_size(block_size)
-    _check_layout_args(stage, world_size)
-    k_all = _num_states(optimizer, optimizer_params)
-    if group_states is not None:
-        if len(group_states) != len(groups):
-            raise ValueError(f"group_states must give one number per group ({len(groups)}), got {len(group_states)}")
-        for k in group_states:
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= F.MAX_STATES:
-                raise ValueError(f"group_states: each entry must be an integer in [1, {F.MAX_STATES}], got {k!r}")
-    ranks = range(world_size) if rank is None else [rank]
-    best = 0
-    for r in ranks:
-        total = 0
-        for gi, sizes in enumerate(groups):
-            b = group_bits[gi] if group_bits is not None else bits
-            if b not in (4, 8, 32):
-                raise ValueError(f"bits must be 4, 8 or 32, got {b!r}")
-            def eight_bit(i, gi=gi, b=b):
-                pb = param_bits[gi][i] if param_bits is not None else 8
-                return b in (4, 8) and pb != 32 and int(sizes[i]) >= min_8bit_size
-
-            layout = rank_layout(sizes, stage, world_size, r, eight_bit, block_size, state_bits=4 if b == 4 else 8)
-            k = k_all if group_states is None else group_states[gi]
-            total += sum(QuantizedState.bytes_for(layout, k).values())
-        best = max(best, total)
-    return best
+from . import host_memory
+from .state_memory import (estimate_state_bytes, rank_layout, rank_segments, state_tensor_sizes,  # noqa: F401
+                           tensor_state_bytes)
 
 
 # ---------------------------------------------------------------------------- model states
@@ -300,12 +139,43 @@ def report(groups, stages: Iterable[int], world_sizes: Iterable[int], optimizer:
     return rows
 
 
+def _dump(path, payload) -> None:
+    """Write ``payload`` as JSON to ``path`` (``--json``), when one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+def _emit(path, payload, lines) -> int:
+    """Print a table's lines and write its rows (``--json``); the command's exit status."""
+    print("\n".join(lines))
+    _dump(path, payload)
+    return 0
+
+
+def _print_offload(args, groups, label) -> int:
+    if args.grad_accum < 1:
+        raise SystemExit(f"--grad-accum must be an integer >= 1, got {args.grad_accum}")
+    if 0 in args.stage:
+        raise SystemExit("--offload needs a ZeRO stage of 1, 2 or 3 (ZeRO-Offload), got 0")
+    rows = host_memory.offload_table(groups, args.stage, args.world_size, block_size=args.block_size,
+                                     min_8bit_size=args.min_8bit_size, gradient_accumulation_steps=args.grad_accum)
+    return _emit(args.json, {"model": label, "offload": rows}, [
+        f"ZeRO-Offload, {label}, bf16 parameters, gradient accumulation {args.grad_accum}, "
+        f"block_size={args.block_size}: model states per rank",
+        f"{'stage':>5} {'ranks':>5} {'host B/param':>12} {'host':>10} {'all ranks':>10} {'device':>10}  what",
+        *(f"{r['stage']:>5} {r['world_size']:>5} {r['host_per_param']:>12.3f} {_fmt(r['host']):>10} "
+          f"{_fmt(r['host_all_ranks']):>10} {_fmt(r['device']):>10}  {r['label']}" for r in rows)])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ds_q8.memory",
                                  description="Optimizer-state bytes per rank, 32-bit vs ds_q8 8-bit.")
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", choices=sorted(GPT2_SIZES), default="gpt2-xl", help="a GPT-2 size (shapes only)")
     src.add_argument("--params", type=float, help="a single parameter group of this many elements")
+    src.add_argument("--decoder", choices=sorted(host_memory.DECODERS),
+                     help="a Llama-style decoder of this size (shapes only: Llama-2's)")
     ap.add_argument("--stage", type=int, nargs="+", default=[2], choices=[0, 1, 2, 3])
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--optimizer", default="Adam8bitBlock")
@@ -318,18 +188,29 @@ def main(argv=None) -> int:
                          "mixed precision, (b) DeepSpeed bf16 masters and states, (c) ds_q8 8-bit with fp32 "
                          "masters, (d) ds_q8 8-bit with copied bf16 masters, (e) ds_q8 8-bit stepping the bf16 "
                          "parameters themselves (what a bf16-master config gets)")
+    ap.add_argument("--offload", action="store_true",
+                    help="instead: host and device bytes per rank under ZeRO-Offload (offload_optimizer cpu) for "
+                         "DeepSpeed's AdamW and ds_q8, fp32 and bf16 masters (ds_q8.host_memory)")
+    ap.add_argument("--grad-accum", type=int, default=1,
+                    help="with --offload: gradient accumulation steps (more than 1 adds DeepSpeed's per-parameter "
+                         "gradient buffers on the host at stages 1 and 2 with fp32 masters)")
     ap.add_argument("--json", help="also write the rows to this JSON file")
     args = ap.parse_args(argv)
     if args.params is not None:
         if args.params < 1:
             ap.error(f"--params must be >= 1, got {args.params}")
         groups, label = [[int(args.params)]], f"{int(args.params):,} parameters"
+    elif args.decoder is not None:
+        groups = host_memory.decoder_param_groups(*host_memory.DECODERS[args.decoder])
+        label = f"{args.decoder} decoder ({sum(map(sum, groups)):,} parameters)"
     else:
         groups = gpt2_param_groups(*GPT2_SIZES[args.model])
         label = f"{args.model} ({sum(map(sum, groups)):,} parameters)"
     group_states = None
     if args.optimizer in PER_GROUP_SPLITS and args.params is None:
         groups, group_states = PER_GROUP_SPLITS[args.optimizer](*GPT2_SIZES[args.model])
+    if args.offload:
+        return _print_offload(args, groups, label)
     if args.ladder:
         try:
             F.check_block_size(args.block_size)
@@ -340,24 +221,18 @@ def main(argv=None) -> int:
         print(f"{'':4} {'B/param':>8} {'total':>10}  what")
         for r in rows:
             print(f"({r['rung']}) {r['per_param']:>8.3f} {_fmt(r['bytes']):>10}  {r['label']}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"model": label, "ladder": rows}, f, indent=1)
+        _dump(args.json, {"model": label, "ladder": rows})
         return 0
     try:
         rows = report(groups, args.stage, args.world_size, args.optimizer, args.block_size,
                       args.min_8bit_size, args.embeddings_32bit, group_states)
     except ValueError as e:
         ap.error(str(e))
-    print(f"optimizer state per rank, {label}, {args.optimizer}, block_size={args.block_size}")
-    print(f"{'stage':>5} {'ranks':>5} {'32-bit':>12} {'8-bit':>12} {'ratio':>6}")
-    for r in rows:
-        print(f"{r['stage']:>5} {r['world_size']:>5} {_fmt(r['bytes_32bit']):>12} {_fmt(r['bytes_8bit']):>12} "
-              f"{r['ratio']:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": label, "rows": rows}, f, indent=1)
-    return 0
+    return _emit(args.json, {"model": label, "rows": rows}, [
+        f"optimizer state per rank, {label}, {args.optimizer}, block_size={args.block_size}",
+        f"{'stage':>5} {'ranks':>5} {'32-bit':>12} {'8-bit':>12} {'ratio':>6}",
+        *(f"{r['stage']:>5} {r['world_size']:>5} {_fmt(r['bytes_32bit']):>12} {_fmt(r['bytes_8bit']):>12} "
+          f"{r['ratio']:>6.3f}" for r in rows)])
 
 
 if __name__ == "__main__":

@@ -99,11 +99,12 @@ def measure_model_states(engine, run_step) -> Dict[str, int]:
                 optimizer_states=states)
 
 
-def reachable_storages(*roots) -> Dict[int, int]:
+def reachable_storages(*roots, keep=None) -> Dict[int, int]:
     """Every tensor storage reachable from ``roots`` (an engine, an optimizer, a module), each once:
     ``{data pointer: bytes}``. The walk follows the attributes of torch, DeepSpeed and ds_q8 objects,
     the items of lists, tuples, sets and dicts, and each tensor's ``.grad`` and attributes, so it finds
-    the master partitions, gradient buffers and states where DeepSpeed and ds_q8 keep them."""
+    the master partitions, gradient buffers and states where DeepSpeed and ds_q8 keep them. ``keep``
+    (a tensor -> bool), when given, counts only the storages of the tensors it accepts."""
     found: Dict[int, int] = {}
     seen, todo = set(), list(roots)
     while todo:
@@ -112,11 +113,12 @@ def reachable_storages(*roots) -> Dict[int, int]:
             continue
         seen.add(id(obj))
         if torch.is_tensor(obj):
-            if obj.device.type != "meta" and obj.numel():
+            if obj.device.type != "meta" and obj.numel() and (keep is None or keep(obj)):
                 storage = obj.untyped_storage()
                 if storage.data_ptr():
                     found[storage.data_ptr()] = max(found.get(storage.data_ptr(), 0), storage.nbytes())
-            todo.append(obj.grad)
+            if obj.is_leaf:  # only leaves keep a .grad (asking a non-leaf warns)
+                todo.append(obj.grad)
             todo.extend(getattr(obj, "__dict__", {}).values())
         elif isinstance(obj, dict):
             todo.extend(obj.keys())

@@ -13,13 +13,17 @@ Parameters in 32-bit groups (the embeddings, see ``ds_q8.param_groups``) cost K 
 9 with the correction byte).
 Activations, temporaries and communication buffers come on top and depend on batch and context.
 
-Run ``python launch/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device).
+Run ``python launch/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device), and
+``python launch/memory_plan.py --offload`` for ZeRO-Offload (``offload_optimizer`` cpu, the setting of
+``ds_configs/decoder_7b_8bit_bf16master_zero2_offload.json``): host and device bytes per rank of 7B- and
+13B-class decoders at 1 and 8 ranks, DeepSpeed's AdamW beside ds_q8 (``ds_q8.host_memory`` predicts them).
 """
 from __future__ import annotations
 
 import argparse
 from typing import Dict, List
 
+from ds_q8 import host_memory
 from ds_q8.functional import DEFAULT_BLOCK_SIZE
 from ds_q8.memory import tensor_state_bytes
 
@@ -81,6 +85,31 @@ def embedding_params(config) -> int:
     return config.vocab_size * config.n_embd + config.n_positions * config.n_embd
 
 
+def offload_plan(models=("7b", "13b"), world_sizes=(1, 8), stages=(2, 3), grad_accum: int = 8,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> Dict[str, List[Dict]]:
+    """Per decoder: ``host_memory.offload_table``'s rows (host and device bytes per rank, every row)."""
+    return {m: host_memory.offload_table(host_memory.decoder_param_groups(*host_memory.DECODERS[m]), stages,
+                                         world_sizes, block_size=block_size, gradient_accumulation_steps=grad_accum)
+            for m in models}
+
+
+def format_offload_plan(plans: Dict[str, List[Dict]], grad_accum: int) -> str:
+    lines = []
+    for model, rows in plans.items():
+        n = sum(map(sum, host_memory.decoder_param_groups(*host_memory.DECODERS[model])))
+        lines += [f"ZeRO-Offload, {model} decoder ({n / 1e9:.3f}e9 params, bf16, gradient accumulation "
+                  f"{grad_accum}): model states per rank",
+                  "| stage | ranks | optimizer | host per rank (GB) | host B/param, all ranks | host, all ranks (GB) "
+                  "| device per rank (GB) |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['stage']} | {r['world_size']} | {r['label']} | {r['host'] / GB:.1f} | "
+                         f"{r['host_per_param'] * r['world_size']:.2f} | {r['host_all_ranks'] / GB:.1f} | "
+                         f"{r['device'] / GB:.1f} |")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
 def main(argv=None) -> None:
     from gpt_models import GPT2_CONTEXT, GPT2_VOCAB_SIZE, SIZES, count_params_on_meta, gpt2_config
 
@@ -88,7 +117,17 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="gpt2-xl", choices=sorted(SIZES))
     ap.add_argument("--world_sizes", default="1,8,64", help="comma-separated data-parallel sizes")
     ap.add_argument("--block_size", type=int, default=DEFAULT_BLOCK_SIZE, help="quantization block size of the 8-bit state")
+    ap.add_argument("--offload", action="store_true",
+                    help="instead: host and device bytes under ZeRO-Offload for the 7B and 13B decoders at 1 and 8 "
+                         "ranks")
+    ap.add_argument("--grad_accum", type=int, default=8, help="with --offload: gradient accumulation steps")
     args = ap.parse_args(argv)
+    if args.offload:
+        if args.grad_accum < 1:
+            raise SystemExit(f"--grad_accum must be an integer >= 1, got {args.grad_accum}")
+        print(format_offload_plan(offload_plan(grad_accum=args.grad_accum, block_size=args.block_size),
+                                  args.grad_accum))
+        return
     try:
         world_sizes = [int(w) for w in args.world_sizes.split(",")]
     except ValueError:

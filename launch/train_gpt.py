@@ -102,7 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "--grad_accum 1 see, in the order they are summed (the same at world size 1)")
     ap.add_argument("--copy_bf16_masters", action="store_true",
                     help="with bf16 masters, keep DeepSpeed's own master copy and flattened gradient (the memory "
-                         "ladder's rung (d)) instead of stepping the bf16 parameters in place: to compare memory")
+                         "ladder's rung (d)) instead of stepping the bf16 parameters in place, and under ZeRO-Offload "
+                         "its host copies (ds_q8.integration.host_copies): to compare memory")
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
@@ -217,14 +218,18 @@ def all_reduce_sum(values, device):
 
 @torch.no_grad()
 def evaluate(engine, val, args, mbs, rank, world, device) -> float:
-    # Batch i goes to rank i % world: the evaluated text is the same at any world size.
+    # Batch i goes to rank i % world: the evaluated text is the same at any world size. Every rank runs
+    # as many forwards (one it does not count where the batches run out): under ZeRO-3 each forward
+    # gathers parameters from all ranks.
     engine.eval()
     total, count = 0.0, 0
-    for i in range(rank, args.eval_batches, world):
-        x, y = gpt_data.get_batch(val, mbs, args.context, args.seed, rank=0, step=i, stream=1)
+    for i in range(rank, -(-args.eval_batches // world) * world, world):
+        x, y = gpt_data.get_batch(val, mbs, args.context, args.seed, rank=0, step=min(i, args.eval_batches - 1),
+                                  stream=1)
         logits = engine(input_ids=x.to(device)).logits
-        total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1)).item()
-        count += 1
+        if i < args.eval_batches:
+            total += F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.to(device).view(-1)).item()
+            count += 1
     engine.train()
     total, count = all_reduce_sum([total, count], device)
     return total / count
@@ -306,9 +311,9 @@ def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     n_params = sum(p.numel() for p in model.parameters())
     groups = ds_q8.param_groups(model, config_weight_decay(cfg))  # embeddings keep 32-bit state
     if args.copy_bf16_masters:
-        from ds_q8.integration import shared_masters
+        from ds_q8.integration import host_copies, shared_masters
 
-        shared_masters.ENABLED = False
+        shared_masters.ENABLED = host_copies.ENABLED = False
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     ds_q8.ops.load_op(torch.device(engine.device).type)
     return model, engine, n_params
@@ -451,7 +456,25 @@ def summarize(run: Run, model, n_params: int, start_step: int, step_times, eval_
                        muon_staging_bytes=int(muon[4]))
     if torch.cuda.is_available():
         summary["peak_device_bytes_rank0"] = torch.cuda.max_memory_allocated()
+    summary.update(offload_record(engine, model))
     return summary
+
+
+def offload_record(engine, model) -> dict:
+    """Under ZeRO-Offload: each rank's host bytes, part by part (``ds_q8.host_states``), and the parameter
+    groups as this trainer makes them (sizes and bits), from which ``ds_q8.host_memory`` predicts them."""
+    import deepspeed.comm as dist
+    import ds_q8
+    from ds_q8.host_states import measure_host_states
+
+    offload = engine.zero_offload_optimizer()
+    if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":
+        return {}
+    by_rank = [None] * dist.get_world_size()
+    dist.all_gather_object(by_rank, measure_host_states(engine))
+    groups = ds_q8.param_groups(model, 0.0)
+    return dict(host_states=by_rank, param_group_bits=[g.get("optim_bits", 8) for g in groups],
+                param_group_sizes=[[getattr(p, "ds_numel", p.numel()) for p in g["params"]] for g in groups])
 
 
 def main(argv=None) -> dict:

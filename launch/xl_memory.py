@@ -67,24 +67,43 @@ def predicted(rung: str, context: int) -> dict:
 
 
 def run(rung: str, steps: int, context: int, out: Path) -> dict:
-    save_dir = out / rung
-    cmd = [sys.executable, str(HERE / "train_gpt.py"), "--model", "gpt2-xl", "--deepspeed_config",
-           str(REPO / "ds_configs" / CONFIGS[rung]), "--context", str(context), "--micro_batch", "1",
-           "--grad_accum", "1", "--max_steps", str(steps), "--save_dir", str(save_dir), "--overwrite",
-           "--no_progress"] + EXTRA.get(rung, [])
-    print(f"== ({rung}) {' '.join(cmd)}", flush=True)
+    rec = train(out / rung, ["--model", "gpt2-xl", "--deepspeed_config", str(REPO / "ds_configs" / CONFIGS[rung]),
+                             "--context", str(context), "--micro_batch", "1", "--grad_accum", "1", "--max_steps",
+                             str(steps), "--overwrite"] + EXTRA.get(rung, []), f"({rung})")
+    rec.update(rung=rung, config=CONFIGS[rung])
+    return rec
+
+
+def train(save_dir: Path, args, label: str) -> dict:
+    """Run ``launch/train_gpt.py`` with ``args`` into ``save_dir``: its exit status and wall time, and from
+    its summary the peak RSS, losses, seconds per step and optimizer-state bytes."""
+    cmd = [sys.executable, str(HERE / "train_gpt.py"), *args, "--save_dir", str(save_dir), "--no_progress"]
+    print(f"== {label} {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     rc = subprocess.call(cmd)
-    wall = time.perf_counter() - t0
-    rec = dict(rung=rung, rc=rc, wall_s=wall, config=CONFIGS[rung])
+    rec = dict(rc=rc, wall_s=time.perf_counter() - t0)
     summary = save_dir / "summary.json"
     if rc == 0 and summary.is_file():
         s = json.loads(summary.read_text())
         losses = [json.loads(line)["loss"] for line in (save_dir / "metrics.jsonl").read_text().splitlines()
                   if '"loss"' in line]
         rec.update(peak_rss=s["peak_rss_bytes_rank0"], losses=losses, step_s=s["mean_step_time_s"],
-                   state_bytes=s["optimizer_state_bytes"], finite=all(math.isfinite(x) for x in losses))
+                   state_bytes=s["optimizer_state_bytes"], finite=all(math.isfinite(x) for x in losses),
+                   summary=s)
     return rec
+
+
+def print_table(title: str, header, rule: str, lines) -> None:
+    print(f"\n{title}\n| {' | '.join(header)} |\n{rule}")
+    print("\n".join(lines))
+
+
+def result_cells(rec: dict) -> tuple:
+    """A run's peak RSS, losses and seconds per step as table cells (its exit status where it failed)."""
+    if "peak_rss" not in rec:
+        return "-", f"exit status {rec['rc']} after {rec['wall_s']:.0f} s", "-"
+    return (f"{rec['peak_rss'] / 2 ** 30:.1f} GiB", ", ".join(f"{x:.3f}" for x in rec["losses"]),
+            f"{rec['step_s']:.1f}")
 
 
 def memory_total() -> int:
@@ -113,21 +132,15 @@ def main(argv=None) -> int:
         rows.append(rec)
     total = memory_total()
     gib = 2 ** 30
-    print(f"\ngpt2-xl, byte vocabulary, context {args.context}, micro-batch 1, ZeRO-2, 1 rank, CPU; "
-          f"this machine: {total / gib:.1f} GiB")
-    print("| rung | config | model states, predicted | peak RSS, measured | losses | s / step | fits |")
-    print("|---|---|---:|---:|---|---:|---|")
+    lines = []
     for r in rows:
         p = r["predicted"]
         pred = f"{p['total'] / gib:.1f} GiB ({p['total'] / p['n_params']:.2f} B/param)"
-        if "peak_rss" in r:
-            losses = ", ".join(f"{x:.3f}" for x in r["losses"])
-            fits = "yes" if r["peak_rss"] < total else "no"
-            print(f"| ({r['rung']}) | `{r['config']}` | {pred} | {r['peak_rss'] / gib:.1f} GiB | {losses} | "
-                  f"{r['step_s']:.1f} | {fits} |")
-        else:
-            print(f"| ({r['rung']}) | `{r['config']}` | {pred} | - | exit status {r['rc']} after {r['wall_s']:.0f} s "
-                  "| - | no |")
+        fits = "yes" if r.get("peak_rss", total) < total else "no"
+        lines.append(f"| ({r['rung']}) | `{r['config']}` | {pred} | {' | '.join(result_cells(r))} | {fits} |")
+    header = ["rung", "config", "model states, predicted", "peak RSS, measured", "losses", "s / step", "fits"]
+    print_table(f"gpt2-xl, byte vocabulary, context {args.context}, micro-batch 1, ZeRO-2, 1 rank, CPU; this "
+                f"machine: {total / gib:.1f} GiB", header, "|---|---|---:|---:|---|---:|---|", lines)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -120,3 +120,35 @@ def test_cli_runs_as_module_and_rejects_bad_input():
     bad = subprocess.run([sys.executable, "-m", "ds_q8.memory", "--params", "1e6", "--block-size", "100"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "block_size" in bad.stderr
+
+
+def test_offload_prediction_by_part():
+    """ZeRO-Offload host bytes, one group of 1000 and 3000 elements, one rank, block 64 (ds_q8.host_memory)."""
+    from ds_q8.host_memory import predict_host_states
+
+    groups, held = [[1000, 3000]], 4000
+    ds = predict_host_states(groups, "deepspeed", 2, gradient_accumulation_steps=2)
+    assert ds == dict(masters=4 * held, master_grads=4 * held, optimizer_states=8 * held, bf16_image=2 * held,
+                      grad_accumulation=2 * held, unused=2 * 3000, state_index=0)
+    q8 = predict_host_states(groups, "q8_bf16", 2, min_8bit_size=2000, gradient_accumulation_steps=2)
+    state = 2 * (3000 + 2 * 47) + 2 * 4 * 1000  # 8-bit codes and bf16 maxima; fp32 moments of the small one
+    assert q8 == dict(masters=2 * held, master_grads=2 * held, optimizer_states=state, bf16_image=0,
+                      grad_accumulation=0, unused=0, state_index=0)
+    theirs = predict_host_states(groups, "q8_bf16", 2, min_8bit_size=2000, host_copies=False)
+    assert theirs["bf16_image"] == 2 * held and theirs["unused"] == 2 * 3000
+    z3 = predict_host_states(groups, "q8", 3, world_size=2, min_8bit_size=2000)
+    assert z3["masters"] == 4 * 2000 and z3["grad_accumulation"] == 2 * 2000  # fp32 gradient and a bf16 one
+    assert predict_host_states(groups, "q8_bf16", 3, world_size=2)["grad_accumulation"] == 0  # one buffer
+    for bad, match in [(dict(row="adam"), "row must be one of"), (dict(stage=0), "stage must be 1, 2 or 3"),
+                       (dict(world_size=0), "world_size"), (dict(gradient_accumulation_steps=0), "accumulation")]:
+        with pytest.raises(ValueError, match=match):
+            predict_host_states(groups, **{"row": "q8", **bad})
+
+
+def test_offload_cli_prints_every_row(capsys):
+    assert main(["--offload", "--decoder", "7b", "--stage", "2", "--world-size", "1", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "7b decoder (6,738,415,616 parameters)" in out and out.count("DeepSpeed AdamW") == 4
+    assert "ds_q8 AdamW8bitBlock, bf16 masters (stochastic rounding)" in out
+    with pytest.raises(SystemExit, match="ZeRO stage of 1, 2 or 3"):
+        main(["--offload", "--stage", "0"])

@@ -73,7 +73,7 @@ def test_every_shipped_config_is_json_with_a_known_optimizer():
     for name in names:
         cfg = json.loads((CONFIGS / name).read_text())
         if "optimizer" in cfg:
-            assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam", "Muon"}, name
+            assert cfg["optimizer"]["type"] in set(ds_q8.OPTIMIZERS) | {"Adam", "AdamW", "Muon"}, name
         else:  # a client optimizer's: DeepSpeed must be told to accept it under ZeRO
             assert cfg["zero_allow_untested_optimizer"] is True, name
         assert name in readme, f"{name} is not explained in ds_configs/README.md"
@@ -87,6 +87,16 @@ def test_every_shipped_config_is_json_with_a_known_optimizer():
         assert xl8[k] == xl32[k], k
     for k in ("lr", "betas", "eps", "weight_decay"):
         assert xl8["optimizer"]["params"][k] == xl32["optimizer"]["params"][k], k
+    # the offload twins: DeepSpeed's AdamW (DeepSpeedCPUAdam, fp32 masters) beside ds_q8 with bf16 masters
+    q8 = json.loads((CONFIGS / "decoder_7b_8bit_bf16master_zero2_offload.json").read_text())
+    ds = json.loads((CONFIGS / "decoder_7b_32bit_zero2_offload.json").read_text())
+    assert (q8["optimizer"]["type"], ds["optimizer"]["type"]) == ("AdamW8bitBlock", "AdamW")
+    assert q8["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and q8["zero_optimization"]["stage"] == 2
+    assert q8["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True} and ds["bf16"] == {"enabled": True}
+    assert {k: v for k, v in q8["optimizer"]["params"].items() if k not in ("block_size", "stochastic_rounding")} \
+        == ds["optimizer"]["params"]
+    assert {k: v for k, v in q8.items() if k not in ("optimizer", "bf16")} == \
+        {k: v for k, v in ds.items() if k not in ("optimizer", "bf16")}
     # the Muon twins: the same config but for the type, and torch's AdamW as DeepSpeed Muon's auxiliary Adam
     muon8 = json.loads((CONFIGS / "tiny_cpu_muon8bit.json").read_text())
     muon = json.loads((CONFIGS / "tiny_cpu_muon.json").read_text())
@@ -204,3 +214,22 @@ def test_a_local_tokenizer_folder_is_used_without_network(tmp_path):
     ids = tok.encode("def f(x):\n    return x + 1\n")
     assert ids.dtype == torch.long and 0 < ids.numel() < 20  # merges learned: fewer tokens than bytes
     assert tok.decode(ids.tolist()) == "def f(x):\n    return x + 1\n"
+
+
+def test_memory_plan_offload_prints_host_and_device_for_7b_and_13b():
+    """ZeRO-Offload: 7B and 13B decoders at 1 and 8 ranks, ZeRO-2 and 3, every row; at one rank with
+    gradient accumulation DeepSpeed's default holds 20 host bytes a parameter, ds_q8's bf16 masters 6.06."""
+    plans = memory_plan.offload_plan(grad_accum=8)
+    assert set(plans) == {"7b", "13b"}
+    for model, rows in plans.items():
+        assert {(r["stage"], r["world_size"]) for r in rows} == {(2, 1), (2, 8), (3, 1), (3, 8)}
+        one = {r["row"]: r for r in rows if (r["stage"], r["world_size"]) == (2, 1)}
+        assert one["deepspeed"]["host_per_param"] == pytest.approx(20.0, abs=0.05)
+        assert one["q8_bf16"]["host_per_param"] == pytest.approx(6.06, abs=0.01)
+        assert one["q8_bf16"]["device"] == one["deepspeed"]["device"] > 2 * 6.7e9
+    seven = memory_plan.offload_plan(models=("7b",), world_sizes=(8,), stages=(3,), grad_accum=1)["7b"]
+    q8 = next(r for r in seven if r["row"] == "q8_bf16")
+    assert q8["device"] == pytest.approx(2 * 6.738e9 / 8, rel=1e-3)  # each rank's bf16 part of the parameters
+    text = memory_plan.format_offload_plan(plans, 8)
+    assert "7b decoder (6.738e9 params" in text and "13b decoder (13.016e9 params" in text
+    assert text.count("| 2 | 8 |") == 10 and text.count("| 3 | 1 |") == 10

@@ -9,6 +9,17 @@ allocated, and only when the optimizer being wrapped is a ds_q8 one.
   differ. Changing world size works through universal checkpoints instead.
 * NVMe optimizer offload (ZeRO-Infinity): state is swapped through buffers of the parameter's
   dtype and size, which uint8 codes and per-block maxima are not.
+* Offload paths that step parameters with an optimizer of DeepSpeed's own instead of the ds_q8 one,
+  with fp32 (or bf16) moments: partial offload (ZeRO-3 ``offload_optimizer.ratio`` below 1: the
+  sub-groups kept on the accelerator are stepped by a 32-bit ``torch.optim.AdamW``), SuperOffload
+  (ZeRO-3 ``offload_optimizer.super_offload``: a ``DeepSpeedCPUAdam`` in a worker process steps
+  every sub-group) and ZenFlow (``zero_optimization.zenflow``: a 32-bit ``ZenFlowSelectiveAdamW`` steps the
+  gradients' largest columns on the accelerator). Each would train part or all of the model in 32 bits
+  while the 8-bit state sat unused. At stages 1 and 2 DeepSpeed itself rejects ``ratio`` below 1 and
+  ignores ``super_offload``.
+
+Offload settings that change only where buffers live (``pin_memory``, and the NVMe pipeline and buffer
+settings, which DeepSpeed reads only for NVMe) leave the 8-bit state as it is and are accepted.
 """
 from __future__ import annotations
 
@@ -37,6 +48,34 @@ def check_zero_config(engine, optimizer) -> None:
             f"zero_optimization.offload_optimizer.device=\"nvme\" is not supported with {name}: NVMe swapping "
             "moves optimizer state through fp32 buffers and would corrupt uint8 codes. Use \"cpu\" (8-bit state "
             "in host memory) or \"none\""
+        )
+    _check_offload_paths(engine, name, stage, offload)
+
+
+def _check_offload_paths(engine, name: str, stage: int, offload) -> None:
+    zenflow = getattr(engine, "zenflow_config", lambda: None)()
+    if zenflow is not None:
+        raise UnsupportedZeroConfig(
+            f"zero_optimization.zenflow is not supported with {name}: ZenFlow steps the gradients' most important "
+            "columns with its own 32-bit AdamW (ZenFlowSelectiveAdamW) on the accelerator, outside the 8-bit state. "
+            "Remove the zenflow section; \"offload_optimizer\": {\"device\": \"cpu\"} steps the 8-bit state on the CPU"
+        )
+    if offload is None or stage != 3 or str(getattr(offload.device, "value", offload.device)) != "cpu":
+        return
+    ratio = getattr(offload, "ratio", 1.0)
+    if ratio != 1.0:
+        raise UnsupportedZeroConfig(
+            f"zero_optimization.offload_optimizer.ratio={ratio} is not supported with {name}: DeepSpeed steps the "
+            "sub-groups it keeps on the accelerator with a 32-bit torch.optim.AdamW. The valid value is 1.0 (every "
+            "sub-group offloaded and stepped with 8-bit state); without offload, set offload_optimizer.device to "
+            "\"none\""
+        )
+    if getattr(offload, "super_offload", False):
+        raise UnsupportedZeroConfig(
+            f"zero_optimization.offload_optimizer.super_offload=true is not supported with {name}: SuperOffload "
+            "steps every sub-group with its own DeepSpeedCPUAdam (fp32 moments) in a worker process, not with the "
+            "8-bit optimizer. "
+            "Set it to false: ZeRO-3 offload then steps the 8-bit state on the CPU"
         )
 
 

@@ -27,8 +27,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
-from . import (checkpoint_files, contract, engine_checks, engine_hooks, entry, grad_norm, muon_tags, shared_masters,
-               universal, zero_layout)
+from . import (checkpoint_files, contract, engine_checks, engine_hooks, entry, grad_norm, host_copies, muon_tags,
+               shared_masters, universal, zero_layout)
 from .lookup import optimizer_classes
 
 BEFORE, AFTER, REPLACE, SET, APPEND, PER_ENGINE = "before", "after", "replace", "set", "append", "per-engine"
@@ -91,7 +91,8 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("deepspeed.runtime.zero.utils:ZERO_SUPPORTED_OPTIMIZERS", APPEND, _optimizer_class_list,
           "ZeRO accepts only optimizer classes listed there"),
     Patch(f"{_ENGINE}._configure_zero_optimizer", BEFORE, engine_checks.check_zero_config,
-          "refuse elastic_checkpoint and NVMe optimizer offload, which corrupt 8-bit state, on every rank "
+          "refuse elastic_checkpoint and NVMe optimizer offload, which corrupt 8-bit state, and the offload paths "
+          "that step with DeepSpeed's own 32-bit optimizers (ZenFlow, SuperOffload, partial offload), on every rank "
           "before any buffer is allocated"),
     Patch("deepspeed.runtime.base_optimizer:ZeROOptimizer._configure_master_weights", REPLACE,
           engine_checks._master_weights_without_cpu_adam,
@@ -106,6 +107,13 @@ PATCHES: Tuple[Patch, ...] = (
           "with bf16 masters, ZeRO-1/2's master partition is a copy of the rank's slice of the bf16 parameters "
           "that DeepSpeed copies back after every step: make it a view of that slice, and lay out the reduced "
           "gradients in partition order so that the step needs no flattened copy of them"),
+    Patch(f"{_ENGINE}._configure_zero_optimizer", AFTER, host_copies._drop_hook,
+          "with ZeRO-Offload, DeepSpeed keeps host buffers that repeat what the host holds for a ds_q8 optimizer: "
+          "ZeRO-1/2's bf16 image of bf16 masters (the masters take its place) and its never-used gradient buffer "
+          "(released); ZeRO-3's second gradient partition (each sub-group's gradient becomes its slice of the "
+          "flat one)"),
+    Patch(f"{_STAGE3}.reload_states", AFTER, host_copies._after_reload_states,
+          "reload_states gives ZeRO-3's flat gradient buffer new storage: the sub-groups' gradients follow it"),
     Patch(f"{_STAGE12}.copy_grads_in_partition", REPLACE, shared_masters._copy_grads_in_partition,
           "store each reduced gradient at its place in the partition where shared_masters laid one out"),
     Patch(f"{_STAGE12}.step", BEFORE, shared_masters._hand_preflattened,

@@ -7,9 +7,11 @@ checkpoint write, which an outside ``kill`` can only hit by chance. ``DS_Q8_FAUL
 
 * ACTION ``kill``: SIGKILL this process (nothing is flushed or cleaned up, as in a machine or OOM kill);
   ``stop``: SIGSTOP it (the rank stays alive but silent, as a hung rank would).
-* POINT ``step``: right after optimizer step STEP; ``save``: after this rank's files of the checkpoint
-  at STEP are written and flushed, before it is marked complete; ``mid_save``: while the checkpoint
-  at STEP is being written: its first file is cut to half its length, then the action fires.
+* POINT ``step``: right after optimizer step STEP; ``mid_step``: inside optimizer step STEP, once the
+  optimizer has stepped its first parameter group and before it steps the second (parameters and
+  state half updated); ``save``: after this rank's files of the checkpoint at STEP are written and
+  flushed, before it is marked complete; ``mid_save``: while the checkpoint at STEP is being written:
+  its first file is cut to half its length, then the action fires.
 * RANK: only this rank acts (default: every rank).
 
 Unset it does nothing.
@@ -21,7 +23,7 @@ import signal
 
 ENV = "DS_Q8_FAULT"
 _ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
-_POINTS = ("step", "save", "mid_save")
+_POINTS = ("step", "mid_step", "save", "mid_save")
 
 
 def parse(text: str):
@@ -70,3 +72,19 @@ def arm_mid_save(engine, step: int, rank: int) -> None:
         fire(action)
 
     ckpt.save = save_then_fail
+
+
+def arm_mid_step(optimizer, step: int, rank: int) -> None:
+    """Make ``optimizer`` (the one DeepSpeed steps group by group) fire on the second group of ``step``."""
+    action = _planned("mid_step", step, rank)
+    if action is None:
+        return
+    real_step, calls = optimizer.step, []
+
+    def step_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            fire(action)
+        return real_step(*args, **kwargs)
+
+    optimizer.step = step_then_fail

@@ -4,6 +4,7 @@ Crash-safety and rank-death tests run this instead of the trainer: the same argu
 plus a process that kills (or stops) itself at a named point:
 
 * ``step``: right after optimizer step STEP (DeepSpeed's engine step that ends an accumulation);
+* ``mid_step``: inside optimizer step STEP, between the optimizer's first and second parameter group;
 * ``mid_save``: while the checkpoint of step STEP is being written (its first file cut in half);
 * ``save``: after this rank's files of that checkpoint are flushed, before it is marked complete.
 """
@@ -30,6 +31,8 @@ def install() -> None:
 
     def step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            faults.arm_mid_step(train_gpt.innermost_optimizer(self), self.global_steps + 1, _rank())
         result = real_step(self, *args, **kwargs)
         if boundary:
             faults.at("step", self.global_steps, _rank())

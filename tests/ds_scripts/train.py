@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,8 @@ from torch import nn
 
 import deepspeed
 import ds_q8
-from ds_q8.integration import grad_norm, shared_masters
+from ds_q8.host_states import measure_host_states
+from ds_q8.integration import grad_norm, host_copies, shared_masters
 from ds_q8.model_states import measure_model_states, measured_state_bytes, watch_model_states
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
@@ -105,8 +107,9 @@ def _bits_digest(model) -> str:
 def run_job(job, rank, world):
     torch.manual_seed(job.get("seed", 0))
     model = GPT2Logits(*job["gpt2"]) if job.get("gpt2") else TinyLM(job.get("hidden", HIDDEN))
-    # False: DeepSpeed's own copies of bf16 masters and of the step's gradient (the ladder's rung (d))
-    shared_masters.ENABLED = job.get("share_masters", True)
+    # False: DeepSpeed's own copies of bf16 masters and of the step's gradient (the ladder's rung (d)), and
+    # its host buffers under ZeRO-Offload
+    shared_masters.ENABLED = host_copies.ENABLED = job.get("share_masters", True)
     params = ds_q8.param_groups(model, weight_decay=0.01) if job.get("param_groups") else model.parameters()
     rec = {}
     phase = "initialize"
@@ -154,6 +157,9 @@ def run_job(job, rank, world):
         lrs.append(engine.get_lr()[0])
         if job.get("save") and job["save"][2] == step + 1:
             engine.save_checkpoint(job["save"][0], tag=job["save"][1])
+    if job.get("host_states"):  # every host storage under ZeRO-Offload, part by part, on every rank
+        rec["host_states"] = [None] * world
+        dist.all_gather_object(rec["host_states"], measure_host_states(engine))
     name, kinds, steps, entries, stepped = state_summary(engine)
     by_rank = [None] * world
     dist.all_gather_object(by_rank, measured_state_bytes(engine))
@@ -161,7 +167,7 @@ def run_job(job, rank, world):
     rec["nonfinite_checks"] = dict(inner.nonfinite_checks) if inner is not None else None
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
                state_entries=entries, stepped_dtypes=stepped, model_states=model_states,
-               param_sizes=[p.numel() for p in model.parameters()],
+               param_sizes=[getattr(p, "ds_numel", p.numel()) for p in model.parameters()],  # whole under ZeRO-3
                params_bits=_bits_digest(model))
     if hasattr(engine, "destroy"):
         engine.destroy()
@@ -180,8 +186,10 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
     for job in plan:
+        start = time.perf_counter()
         results[job["name"]] = run_job(job, rank, world)
         dist.barrier()
+        results[job["name"]]["seconds"] = round(time.perf_counter() - start, 2)  # to see where a fixture's time goes
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -3,6 +3,7 @@ their results; ``load_script`` imports one of them into a test without putting t
 import importlib.util
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -13,9 +14,19 @@ SCRIPTS = REPO / "tests" / "ds_scripts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no one listens on: any the system offers, or one of ``DS_Q8_TEST_PORTS`` ("31000-31999") where
+    set, for a machine whose other jobs own the rest."""
+    span = os.environ.get("DS_Q8_TEST_PORTS")
+    low, high = (int(x) for x in span.split("-")) if span else (0, 0)
+    first = random.randint(low, high)
+    for port in [*range(first, high + 1), *range(low, first)]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in DS_Q8_TEST_PORTS={span}")
 
 
 def load_script(name: str):
