@@ -5,16 +5,11 @@ stochastic rounding; with a correction byte), ZeRO-2 and 3, two ranks, two micro
 in one launch. The host copies ds_q8 removes (``integration.host_copies``) change no bit of the training;
 runs save and resume bit for bit, and DeepSpeed's ``zero_to_fp32`` reads the checkpoints. Offload settings
 that would step parameters outside the 8-bit state are refused on every rank, naming the field."""
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import config, launch  # noqa: E402
-
-from ds_q8.host_memory import OFFLOAD_ROWS, predict_host_states  # noqa: E402
+from ds_q8.host_memory import OFFLOAD_ROWS, predict_host_states
+from helpers.ds_launch import config, launch
 
 pytestmark = pytest.mark.multirank
 

@@ -23,8 +23,7 @@ from helpers.train import CONFIGS, LAUNCH, REPO, env, metrics, run, summary, tra
 
 import checkpointing
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "ds_scripts"))
-from ds_launch import free_port  # noqa: E402
+from helpers.ds_launch import free_port
 
 pytestmark = pytest.mark.slow
 
