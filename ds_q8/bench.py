@@ -11,7 +11,9 @@ code bytes; write p, two code bytes) and 28 for 32-bit state (read p, g, m, v; w
 allocates its output, so its time includes the first touch of those pages.
 
 A second table runs the same step over many small parameters (default 1000 of 4096 elements), where
-per-parameter overhead rather than arithmetic decides. A copy of N fp32 values (8 bytes moved per
+per-parameter overhead rather than arithmetic decides; interleaved with it, a few rows (``PER_TENSOR_ROWS``)
+also step all those elements as one tensor, and the difference over the count is each row's share per
+tensor: what the host (Python, argument checks) and the launches add for every tensor. A copy of N fp32 values (8 bytes moved per
 value) gives the bandwidth a memory-bound step could reach, and each ds_q8 kernel row is reported
 as a fraction of it.
 
@@ -49,6 +51,10 @@ from ds_q8.bench_rows import (GPT2_BLOCK_SHAPES, _release, block_rows, copy_rows
                               quantize_rows, table)
 
 BASELINE = "torch AdamW fused"
+#: the rows whose share per tensor the many-tensor table also gives (each steps one more tensor of all the
+#: many-tensor elements for it)
+PER_TENSOR_ROWS = ("ds_q8 AdamW8bitBlock (kernel)", "ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BASELINE,
+                   "torch AdamW foreach")
 
 
 def main(argv=None) -> dict:
@@ -65,7 +71,8 @@ def main(argv=None) -> dict:
     config = _print_report(args, tables)
     count, size = args.many
     result = dict(config=config, step=tables["step"], in_cache=tables["in_cache"], copy=tables["copy"],
-                  many=dict(count=count, size=size, step=tables["many"]), partition=tables["partition"],
+                  many=dict(count=count, size=size, step=tables["many"], per_tensor=tables["per_tensor"]),
+                  partition=tables["partition"],
                   quantization=tables["quantization"], blocks=tables["blocks"],
                   muon=_print_muon(args, muon_table)["muon"])
     if args.json:
@@ -164,13 +171,31 @@ def _step_tables(args) -> dict:
     tables["copy"] = _measured(copy_rows(args.n, args.device), args, args.reps, None)
     count, size = args.many
     tables["many"] = []
+    tables["per_tensor"] = []
     if count:
         many = optimizer_rows(size, args.device, False, count, skip=args.skip)
-        measure(many, args.reps, args.device)
+        # the same elements as one tensor, interleaved with the many-tensor rows, for each row's share
+        # per tensor (Python, argument checks, launches): what the step costs beyond its arithmetic
+        one = optimizer_rows(count * size, args.device, False, 1, skip=args.skip, only=PER_TENSOR_ROWS) \
+            if count > 1 else []
+        measure(many + one, args.reps, args.device)
         tables["many"] = table(many, count * size, BASELINE)
-        del many
+        tables["per_tensor"] = per_tensor_table(many, one, count)
+        del many, one
         _release(args.device)
     return tables
+
+
+def per_tensor_table(many: List[dict], one: List[dict], count: int) -> List[dict]:
+    """Each implementation's time per tensor beyond one tensor of the same elements, from the medians of
+    one interleaved run, and its ratio to torch's fused AdamW's."""
+    alone = {r["name"]: r["time"] for r in one}
+    out = [dict(name=r["name"], us=1e6 * (r["time"] - alone[r["name"]]) / (count - 1), many_ms=1e3 * r["time"],
+                one_ms=1e3 * alone[r["name"]]) for r in many if r["name"] in alone]
+    base = next((r["us"] for r in out if r["name"] == BASELINE), None)
+    for r in out:
+        r["ratio"] = r["us"] / base if base and base > 0 else None
+    return out
 
 
 def _layout_tables(args) -> dict:
@@ -206,6 +231,12 @@ def _print_report(args, tables: dict) -> dict:
     if tables["many"]:
         count, size = args.many
         print_table(f"the same step over {count} parameters of {size} elements each", tables["many"], BASELINE)
+    if tables["per_tensor"]:
+        print(f"\nper tensor: ({count} tensors - one tensor of the same {count * size} elements) / {count - 1}")
+        _markdown(["implementation", f"{count} tensors: ms", "one tensor: ms", "us per tensor",
+                   f"ratio to {BASELINE}"],
+                  [[r["name"], f"{r['many_ms']:.2f}", f"{r['one_ms']:.2f}", f"{r['us']:.1f}",
+                    _ratio(r["ratio"])] for r in tables["per_tensor"]])
     _print_layout_tables(args, tables)
     print_table(f"block-wise (de)quantization, block_size {F.DEFAULT_BLOCK_SIZE}", tables["quantization"], None)
     return config

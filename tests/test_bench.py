@@ -17,11 +17,19 @@ def test_bench_small_run_writes_every_table(tmp_path, capsys):
     assert not any("foreach" in n or "DeepSpeed" in n for n in names)  # --skip (DeepSpeedCPUAdam would JIT-build its op)
     assert [r["name"] for r in result["copy"]] == ["copy (dst.copy_(src), fp32)"]
     assert result["many"]["count"] == 3 and len(result["many"]["step"]) >= 2
+    # the share per tensor: the rows of PER_TENSOR_ROWS that ran, each against one tensor of 3 x 700
+    share = {r["name"]: r for r in result["many"]["per_tensor"]}
+    assert set(share) == {"ds_q8 AdamW8bitBlock (kernel)", "ds_q8 AdamW8bitBlock (kernel, nonfinite=off)",
+                          "torch AdamW fused"}
+    for r in share.values():
+        assert r["many_ms"] > 0 and r["one_ms"] > 0
+        assert abs(r["us"] - 1e3 * (r["many_ms"] - r["one_ms"]) / 2) < 1e-6 * max(1.0, abs(r["us"]))
+    assert share["torch AdamW fused"]["ratio"] is None or abs(share["torch AdamW fused"]["ratio"] - 1) < 1e-9
     assert {r["name"] for r in result["quantization"]} >= {"dequantize_blockwise (kernel, out=)"}
     for r in result["step"] + result["copy"] + result["many"]["step"] + result["quantization"]:
         assert r["ms"] > 0 and r["gbps"] > 0, r
     printed = capsys.readouterr().out
-    assert "% of the copy's" in printed and "| torch AdamW fused |" in printed
+    assert "% of the copy's" in printed and "| torch AdamW fused |" in printed and "us per tensor" in printed
     # the arithmetic-only cost: one row per implementation of IN_CACHE_ROWS that ran, torch's floor
     # set against torch's own measured step
     assert [r["name"] for r in result["in_cache"]] == ["ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", "torch AdamW fused"]
