@@ -148,11 +148,12 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
 }
 
 // Stochastic rounding of tensor t: of its parameter write (`params`; with float32 states: whenever keys
-// are given) and of the 8-bit states flagged in `states` (arguments checked by binding::check_rounding
-// and binding::check_stochastic_choices).
-void set_rounding(StepArgs& a, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, size_t t,
-                  size_t n, bool params = true, const std::vector<bool>& states = {}) {
-    if (!binding::check_rounding(sr_keys, sr_index, n)) return;
+// are given) and of the 8-bit states flagged in `states`. `has_keys` is binding::check_rounding's answer,
+// asked once per call (asked per tensor, its check of every key made a call quadratic in the tensors),
+// and the choices are checked by binding::check_stochastic_choices.
+void set_rounding(StepArgs& a, bool has_keys, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
+                  size_t t, bool params = true, const std::vector<bool>& states = {}) {
+    if (!has_keys) return;
     a.stochastic = params;
     for (size_t k = 0; k < states.size(); ++k) a.stochastic_states[k] = states[k];
     a.sr_key = (uint32_t)sr_keys[t];
@@ -211,9 +212,9 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
     check_block_size(block_size);
     const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(maps, lookups), block_size, hp)};
-    binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, 1), stochastic_states,
-                                      states.size());
-    set_rounding(args[0], sr_keys, sr_index, 0, 1, stochastic_params, stochastic_states);
+    const bool has_keys = binding::check_rounding(sr_keys, sr_index, 1);
+    binding::check_stochastic_choices(has_keys, stochastic_states, states.size());
+    set_rounding(args[0], has_keys, sr_keys, sr_index, 0, stochastic_params, stochastic_states);
     if (args[0].numel == 0) args.clear();
     run_step(isa, rule, args, param, grad);
 }
@@ -239,14 +240,14 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                       grads.size(), ", ", states.size(), " and ", absmax.size());
     const auto hp = hyper_params(rule, hyper);
     const StepMaps step_map = step_maps(maps, lookups);
-    binding::check_stochastic_choices(binding::check_rounding(sr_keys, sr_index, n), stochastic_states,
-                                      step_map.k);
+    const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
+    binding::check_stochastic_choices(has_keys, stochastic_states, step_map.k);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], step_map, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
-        set_rounding(a, sr_keys, sr_index, t, n, stochastic_params, stochastic_states);
+        set_rounding(a, has_keys, sr_keys, sr_index, t, stochastic_params, stochastic_states);
         if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         if (!error_sums.empty()) {
             const torch::Tensor& e = error_sums[t];
@@ -288,7 +289,7 @@ void step4_many(const std::string& isa, const std::string& rule, std::vector<tor
                           "] must be ", sizes[i], " float32 values, got ", maps[i].numel(), " of ", maps[i].scalar_type());
     }
     const bool corrected = binding::check_corrections(corrections, params, stochastic_params);
-    binding::check_rounding(sr_keys, sr_index, n);
+    const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
     const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args;
     args.reserve(n);
@@ -314,7 +315,7 @@ void step4_many(const std::string& isa, const std::string& rule, std::vector<tor
         a.absmax[0] = binding::absmax_bits(m_absmax[t]);
         a.v_max = v_max[t].data_ptr<float>();
         for (int i = 0; i < 4; ++i) a.four_maps[i] = maps[i].data_ptr<float>();
-        set_rounding(a, sr_keys, sr_index, t, n, stochastic_params);
+        set_rounding(a, has_keys, sr_keys, sr_index, t, stochastic_params);
         if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         if (a.numel > 0) args.push_back(a);
     }
@@ -336,6 +337,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
                       "params, grads and states must be lists of the same length, got ", n, ", ", grads.size(),
                       " and ", states.size());
     const auto hp = hyper_params(rule, hyper);
+    const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
@@ -347,7 +349,7 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
                           states[0].size(), ", tensor ", t, " has ", k);
         StepArgs a = tensor_args(rule, param, grads[t], k, 1, hp);
         check_same_dtypes(params, grads, t, "step_fp32_many");
-        set_rounding(a, sr_keys, sr_index, t, n);
+        set_rounding(a, has_keys, sr_keys, sr_index, t);
         if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         a.fp32_states = true;
         for (size_t i = 0; i < k; ++i) {
