@@ -27,6 +27,7 @@ import torch
 from . import nonfinite as NF
 from . import state_io, telemetry
 from . import step as S
+from .plan import StepPlan
 from .checks import check_optimizer_kwargs
 from .group_options import OPTIONS, check_common_group, check_four_bit
 from .layout import StateLayout
@@ -91,6 +92,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self.grad_norm_source: Optional[Callable[[], object]] = None
         self._pending_skips = NF.PendingSkips()
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
+        #: the last step's plan, reused while it holds (``plan.py``)
+        self._plan: Optional[StepPlan] = None
         super().__init__(params, dict(options, **defaults))
 
     def rule_for(self, group: dict) -> Rule:
@@ -136,7 +139,8 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         for transient in ("tensors",  # rebuilt on use (a ZeRO layout holds a process group)
                           "grad_norm_source",  # belongs to the engine that set it
                           "_pending_skips",  # device events
-                          "_telemetry"):  # device sums of one run
+                          "_telemetry",  # device sums of one run
+                          "_plan"):  # rebuilt by the next step
             state.pop(transient, None)
         return state
 
@@ -146,7 +150,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self.nonfinite = state.pop("nonfinite", getattr(self, "nonfinite", "skip"))
         self.skipped_steps = state.pop("skipped_steps", getattr(self, "skipped_steps", 0))
         for name, make in (("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None),
-                           ("_pending_skips", NF.PendingSkips), ("_telemetry", lambda: None)):
+                           ("_pending_skips", NF.PendingSkips), ("_telemetry", lambda: None), ("_plan", lambda: None)):
             if not hasattr(self, name):
                 setattr(self, name, make())
         super().__setstate__(state)
@@ -156,6 +160,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hyperparameters
     def add_param_group(self, param_group: dict) -> None:
+        self._plan = None
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -193,6 +198,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def register_layout(self, tensor: torch.Tensor, layout: StateLayout, group: Optional[dict] = None) -> None:
         """Say which parameters ``tensor`` holds (ZeRO integration calls this for its partitions), and
         its group where a wrapper keeps the tensor out of the groups (ZeRO-3)."""
+        self._plan = None
         self.tensors.register_layout(tensor, layout, group)
 
     def layout_of(self, p: torch.Tensor, group: Optional[dict] = None) -> StateLayout:
@@ -291,6 +297,17 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.settle()
+        plan = self._plan
+        grads = plan.gradients(self) if plan is not None else None
+        if grads is not None:  # the same tensors as the last step: its plan (plan.py)
+            go, flag = NF.decide(self, plan.work)
+            if go:
+                counters = plan.run(self, grads, flag)
+                if flag is not None:
+                    self._pending_skips.add(flag, counters)
+            return loss
+        self._plan = None
         work = []
         for group in self.param_groups:
             for p in group["params"]:
@@ -304,7 +321,6 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
                 if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
                     raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
                 work.append((group, p))
-        self.settle()
         go, flag = NF.decide(self, work)
         if not go:
             return loss
@@ -313,6 +329,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             S.step(rule, steps, skip=flag)
         if flag is not None:
             self._pending_skips.add(flag, counters)
+        self._plan = StepPlan.build(self, work, by_rule)
         return loss
 
     def settle(self) -> None:
@@ -353,6 +370,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         state_dict = state_io.upgraded(state_dict, self.param_groups, type(self).rule_when_built())
         plans = state_io.plan_load(self, state_dict)
         # nothing has changed so far: now replace
+        self._plan = None
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self.state.clear()
         self.tensors.qstates.clear()
