@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import ds_q8
+from ds_q8 import ops
 from ds_q8.optim.plan import StepPlan
 
-from helpers.compare import assert_same_bits
+from helpers.compare import assert_same_bits, spy_calls
 
 # 8-bit state (fp32, bf16 and fp16 parameters, a partial last block), fp32 state (below min_8bit_size)
 SHAPES = [((64, 80), torch.float32), (5000, torch.float32), (300, torch.float32), (4096, torch.bfloat16),
@@ -226,3 +227,31 @@ def test_a_gradient_in_a_group_that_had_none_changes_the_plan():
     assert not step_both(planned, general, 2)  # the second group's gradients are back
     assert_same(planned, general)
     assert [int(planned[1].state[p]["step"]) for p in pp] == [3] * 5 + [1] * 2
+
+
+def test_a_planned_cpu_step_is_one_prepared_call_per_batch(monkeypatch):
+    ps, opt = trained(2)
+    calls = spy_calls(monkeypatch)
+    set_grads(ps, 2)
+    opt.step()
+    # group 1: fp32 8-bit, fp32 with fp32 state, bf16 8-bit, fp16 8-bit; group 2: bf16 8-bit, bf16 fp32 state
+    assert sorted(name for name, _ in calls) == ["run_prepared"] * 6
+
+
+def test_a_prepared_step_checks_the_gradients_before_writing():
+    ps, opt = trained(2)
+    before = [p.detach().clone() for p in ps]
+    state = {i: {k: v.clone() for k, v in e.items() if torch.is_tensor(v)} for i, e in enumerate(opt.state.values())}
+    gp, call = next((gp, c) for gp in opt._plan.groups for c in gp.calls if c.prepared is not None and len(c.params) > 1)
+    module = call.module
+    hyper = ops.kernel_hyper(module, call.name, opt._hyper(gp.group, 3))
+    good = [p.grad for p in call.params]
+    for bad, match in ((good[:-1], "one tensor per param"), (good[:-1] + [torch.zeros(3)], "changed since"),
+                       (good[:-1] + [good[-1].to(torch.float64)], "one grad dtype")):
+        with pytest.raises(ValueError, match=match):
+            module.run_prepared(ops.cpu_isa(module), call.prepared, bad, hyper, 0)
+    for a, b in zip(ps, before):
+        assert_same_bits(a.data, b, "param")
+    for i, e in enumerate(opt.state.values()):
+        for k, v in state[i].items():
+            assert torch.equal(e[k], v), k

@@ -51,7 +51,8 @@ class _Call:
     """One kernel call of a planned step: its tensors and the arguments that stay the same."""
 
     __slots__ = ("module", "name", "fp32", "index", "params", "states", "absmax", "maps", "block_size", "keyed",
-                 "any_key", "group_bits", "param_bits", "zeros", "stoch_params", "stoch_states", "corrections", "cuda")
+                 "any_key", "group_bits", "param_bits", "zeros", "stoch_params", "stoch_states", "corrections", "cuda",
+                 "prepared")
 
     def __init__(self, module, name: str, fp32: bool, index: List[int], steps, group: dict, rule, maps):
         self.module, self.name, self.fp32, self.index = module, name, fp32, index
@@ -72,6 +73,15 @@ class _Call:
         self.corrections = [qs.entry[CORRECTION_KEY].view(-1) for qs in qss] \
             if any(CORRECTION_KEY in qs.entry for qs in qss) else []
         self.cuda = self.params[0].is_cuda
+        # on CPU the op converts and checks the call's tensors once, here; a run takes only the gradients
+        self.prepared = None
+        if not self.cuda and all(self.keyed) == any_key:
+            keyed = self.group_bits if any_key else [], self.param_bits if any_key else []
+            self.prepared = module.PreparedStep(name, self.params, list(self.states), self.absmax or [],
+                                                [] if fp32 else list(maps[0]), [] if fp32 else list(maps[1]),
+                                                self.block_size or 0, *keyed, stochastic_params=self.stoch_params,
+                                                stochastic_states=[] if fp32 else self.stoch_states,
+                                                corrections=self.corrections)
 
     def keys(self, step_part: int) -> list:
         """Each tensor's rounding key at this step (``rounding.sr_key``), 0 where it takes none; the
@@ -91,10 +101,13 @@ class _Call:
         return out
 
     def run(self, hyper: dict, step_part: int, grads: list, skip) -> None:
-        keys = self.keys(step_part)
-        index = self.zeros if keys else []
         gs = [grads[i] for i in self.index]
         h = ops.kernel_hyper(self.module, self.name, hyper)
+        if self.prepared is not None:
+            ops.call(self.module, "run_prepared", self.params[0], self.prepared, gs, h, step_part)
+            return
+        keys = self.keys(step_part)
+        index = self.zeros if keys else []
         skip = skip if self.cuda else None
         if self.fp32:
             ops.call(self.module, "step_fp32_many", self.params[0], self.name, self.params, gs, self.states, h, keys,

@@ -219,17 +219,18 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
     run_step(isa, rule, args, param, grad);
 }
 
-// The step of many tensors in one call (one parallel loop over all their blocks). They share the
-// rule, maps, block size and hyperparameters, and all params (and all grads) have one dtype.
-// Everything is checked before anything is written.
-void step_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
-               std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
-               std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
-               std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
-               const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
-               const std::vector<torch::Tensor>& corrections) {
-    check_isa(isa);
+// The checked arguments of an 8-bit step of many tensors (step_many, PreparedStep), one per tensor, empty
+// ones included. They share the rule, maps, block size and hyperparameters, and all params (and all grads)
+// have one dtype. Everything is checked before anything is written.
+std::vector<StepArgs> many_args(const std::string& rule, const std::vector<torch::Tensor>& params,
+                                const std::vector<torch::Tensor>& grads,
+                                const std::vector<std::vector<torch::Tensor>>& states,
+                                const std::vector<std::vector<torch::Tensor>>& absmax, const StepMaps& step_map,
+                                int64_t block_size, const std::vector<HyperParam>& hp,
+                                const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
+                                bool stochastic_params, const std::vector<bool>& stochastic_states,
+                                const std::vector<torch::Tensor>& error_sums,
+                                const std::vector<torch::Tensor>& corrections) {
     check_block_size(block_size);
     const size_t n = params.size();
     const bool corrected = binding::check_corrections(corrections, params, stochastic_params);
@@ -238,8 +239,6 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n && absmax.size() == n,
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
-    const auto hp = hyper_params(rule, hyper);
-    const StepMaps step_map = step_maps(maps, lookups);
     const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
     binding::check_stochastic_choices(has_keys, stochastic_states, step_map.k);
     std::vector<StepArgs> args;
@@ -257,9 +256,31 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                               e.numel(), " of ", e.scalar_type());
             a.error_sums = e.data_ptr<double>();
         }
-        if (a.numel > 0) args.push_back(a);
+        args.push_back(a);
     }
-    if (n == 0) return;
+    return args;
+}
+
+// The args of the tensors that have elements.
+std::vector<StepArgs> nonempty(std::vector<StepArgs> args) {
+    args.erase(std::remove_if(args.begin(), args.end(), [](const StepArgs& a) { return a.numel == 0; }), args.end());
+    return args;
+}
+
+// The step of many tensors in one call (one parallel loop over all their blocks).
+void step_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
+               std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
+               std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
+               std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
+               const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
+               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
+               const std::vector<torch::Tensor>& corrections) {
+    check_isa(isa);
+    const auto hp = hyper_params(rule, hyper);
+    const auto args = nonempty(many_args(rule, params, grads, states, absmax, step_maps(maps, lookups), block_size, hp,
+                                         sr_keys, sr_index, stochastic_params, stochastic_states, error_sums,
+                                         corrections));
+    if (params.empty()) return;
     run_step(isa, rule, args, params[0], grads[0]);
 }
 
@@ -323,20 +344,21 @@ void step4_many(const std::string& isa, const std::string& rule, std::vector<tor
     run_step(isa, rule, args, params[0], grads[0]);
 }
 
-// The same fused step for tensors whose states are float32 (optim_bits=32, or tensors below
-// min_8bit_size): states[t] holds the 1 to Q8_MAX_STATES float32 states of tensor t, updated in place.
-void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
-                    std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
-                    const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
-                    const std::vector<int64_t>& sr_index, const std::vector<torch::Tensor>& corrections) {
-    check_isa(isa);
+// The checked arguments of a step of tensors whose states are float32 (optim_bits=32, or tensors below
+// min_8bit_size; step_fp32_many, PreparedStep), one per tensor, empty ones included: states[t] holds the
+// 1 to Q8_MAX_STATES float32 states of tensor t, updated in place.
+std::vector<StepArgs> fp32_many_args(const std::string& rule, const std::vector<torch::Tensor>& params,
+                                     const std::vector<torch::Tensor>& grads,
+                                     const std::vector<std::vector<torch::Tensor>>& states,
+                                     const std::vector<HyperParam>& hp, const std::vector<int64_t>& sr_keys,
+                                     const std::vector<int64_t>& sr_index,
+                                     const std::vector<torch::Tensor>& corrections) {
     const size_t n = params.size();
     const bool corrected = binding::check_corrections(corrections, params, false);
     TORCH_CHECK_VALUE(!corrected || sr_keys.empty(), "correction bytes replace stochastic rounding: pass no sr_keys");
     TORCH_CHECK_VALUE(grads.size() == n && states.size() == n,
                       "params, grads and states must be lists of the same length, got ", n, ", ", grads.size(),
                       " and ", states.size());
-    const auto hp = hyper_params(rule, hyper);
     const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
     std::vector<StepArgs> args;
     args.reserve(n);
@@ -360,10 +382,112 @@ void step_fp32_many(const std::string& isa, const std::string& rule, std::vector
                               st.numel(), " of ", st.scalar_type());
             a.states32[i] = st.data_ptr<float>();
         }
-        if (a.numel > 0) args.push_back(a);
+        args.push_back(a);
     }
-    if (n == 0) return;
+    return args;
+}
+
+void step_fp32_many(const std::string& isa, const std::string& rule, std::vector<torch::Tensor> params,
+                    std::vector<torch::Tensor> grads, std::vector<std::vector<torch::Tensor>> states,
+                    const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
+                    const std::vector<int64_t>& sr_index, const std::vector<torch::Tensor>& corrections) {
+    check_isa(isa);
+    const auto hp = hyper_params(rule, hyper);
+    const auto args = nonempty(fp32_many_args(rule, params, grads, states, hp, sr_keys, sr_index, corrections));
+    if (params.empty()) return;
     run_step(isa, rule, args, params[0], grads[0]);
+}
+
+// A step_many or step_fp32_many call whose tensors stay the same from step to step (the calls of a step
+// plan, ds_q8/optim/plan.py): its params, states, maps and flags are converted and checked once, here,
+// and each run takes only the gradients, the step scalars and the step's part of the rounding keys
+// (rounding.step_key; each tensor's key is q8_mix32(q8_mix32(step_part ^ group_index) ^ param_index), as
+// rounding.sr_key makes it). The params are read again at every run, so a param whose data was replaced
+// in place of the same size is stepped where it now is.
+class PreparedStep {
+  public:
+    PreparedStep(std::string rule, std::vector<torch::Tensor> params, std::vector<std::vector<torch::Tensor>> states,
+                 std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
+                 std::vector<torch::Tensor> lookups, int64_t block_size, std::vector<int64_t> group_index,
+                 std::vector<int64_t> param_index, bool stochastic_params, std::vector<bool> stochastic_states,
+                 std::vector<torch::Tensor> corrections)
+        : rule_(std::move(rule)), params_(std::move(params)), states_(std::move(states)), absmax_(std::move(absmax)),
+          maps_(std::move(maps)), lookups_(std::move(lookups)), corrections_(std::move(corrections)) {
+        const size_t n = params_.size();
+        const bool keyed = !group_index.empty() || !param_index.empty();
+        TORCH_CHECK_VALUE(!keyed || (group_index.size() == n && param_index.size() == n), "group_index and ",
+                          "param_index must be empty or have one entry per param (", n, "), got ", group_index.size(),
+                          " and ", param_index.size());
+        for (size_t t = 0; keyed && t < n; ++t)
+            TORCH_CHECK_VALUE(group_index[t] >= 0 && group_index[t] <= 0xFFFFFFFFLL && param_index[t] >= 0 &&
+                                  param_index[t] <= 0xFFFFFFFFLL,
+                              "group_index and param_index must be 32-bit unsigned, got ", group_index[t], " and ",
+                              param_index[t]);
+        const std::vector<int64_t> zeros(keyed ? n : 0, 0);
+        // checked as a call with each param as its own gradient; the gradients are checked at every run
+        if (absmax_.empty() && maps_.empty()) {
+            TORCH_CHECK_VALUE(stochastic_states.empty(), "a step of float32 states has no stochastic_states");
+            args_ = fp32_many_args(rule_, params_, params_, states_, {}, zeros, zeros, corrections_);
+        } else {
+            args_ = many_args(rule_, params_, params_, states_, absmax_, step_maps(maps_, lookups_), block_size, {},
+                              zeros, zeros, stochastic_params, stochastic_states, {}, corrections_);
+        }
+        if (keyed) {
+            group_index_.assign(group_index.begin(), group_index.end());
+            param_index_.assign(param_index.begin(), param_index.end());
+        }
+    }
+
+    void run(const std::string& isa, const std::vector<torch::Tensor>& grads,
+             const std::map<std::string, double>& hyper, int64_t step_part) {
+        check_isa(isa);
+        const size_t n = params_.size();
+        TORCH_CHECK_VALUE(grads.size() == n, "grads must have one tensor per param (", n, "), got ", grads.size());
+        TORCH_CHECK_VALUE(step_part >= 0 && step_part <= 0xFFFFFFFFLL, "step_part must be 32-bit unsigned, got ",
+                          step_part);
+        const auto hp = hyper_params(rule_, hyper);
+        const int threads = at::get_num_threads();
+        std::vector<StepArgs> args;
+        args.reserve(n);
+        for (size_t t = 0; t < n; ++t) {
+            const torch::Tensor& p = params_[t];
+            const torch::Tensor& g = grads[t];
+            StepArgs a = args_[t];
+            check_cpu_contiguous(p, "param");
+            check_cpu_contiguous(g, "grad");
+            TORCH_CHECK_VALUE(p.numel() == a.numel && g.numel() == a.numel && dtype_of(p, "param") == a.param_dtype,
+                              "param ", t, " changed since the step was prepared (", a.numel, " elements), or its ",
+                              "grad does not match it: param ", p.numel(), " of ", p.scalar_type(), ", grad ",
+                              g.numel(), " of ", g.scalar_type());
+            TORCH_CHECK_VALUE(g.scalar_type() == grads[0].scalar_type(), "a prepared step needs one grad dtype; ",
+                              "grad ", t, " is ", g.scalar_type(), ", grad 0 is ", grads[0].scalar_type());
+            a.param = p.data_ptr();
+            a.grad = g.data_ptr();
+            a.grad_dtype = dtype_of(g, "grad");
+            a.hyper = hp.data();
+            a.num_hyper = (int)hp.size();
+            a.num_threads = threads;
+            if (!group_index_.empty())
+                a.sr_key = q8_mix32(q8_mix32((uint32_t)step_part ^ group_index_[t]) ^ param_index_[t]);
+            if (a.numel > 0) args.push_back(a);
+        }
+        if (n == 0) return;
+        run_step(isa, rule_, args, params_[0], grads[0]);
+    }
+
+  private:
+    std::string rule_;  // each StepArgs' rule points into it
+    std::vector<torch::Tensor> params_;
+    std::vector<std::vector<torch::Tensor>> states_, absmax_;  // held: args_ points into them
+    std::vector<torch::Tensor> maps_, lookups_, corrections_;
+    std::vector<uint32_t> group_index_, param_index_;  // empty: no rounding keys
+    std::vector<StepArgs> args_;
+};
+
+// A prepared step's run, as a module function like the others (ds_q8.ops.call counts the calls).
+void run_prepared(const std::string& isa, PreparedStep& prepared, const std::vector<torch::Tensor>& grads,
+                  const std::map<std::string, double>& hyper, int64_t step_part) {
+    prepared.run(isa, grads, hyper, step_part);
 }
 
 std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor& x, const torch::Tensor& code,
@@ -510,6 +634,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "each bf16 param's correction bytes, or none",
           arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("states"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), arg("corrections") = std::vector<torch::Tensor>{});
+    pybind11::class_<ds_q8::PreparedStep>(m, "PreparedStep",
+                                          "a step_many (absmax and maps given) or step_fp32_many call whose tensors "
+                                          "stay the same, checked once; run it with run_prepared")
+        .def(pybind11::init<std::string, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>,
+                            std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>,
+                            std::vector<torch::Tensor>, int64_t, std::vector<int64_t>, std::vector<int64_t>, bool,
+                            std::vector<bool>, std::vector<torch::Tensor>>(),
+             arg("rule"), arg("params"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"),
+             arg("group_index"), arg("param_index"), params_sr, states_sr,
+             arg("corrections") = std::vector<torch::Tensor>{});
+    m.def("run_prepared", &ds_q8::run_prepared, "one step of a PreparedStep: each param's grad, the step scalars and "
+          "the step's part of the rounding keys", arg("isa"), arg("prepared"), arg("grads"), arg("hyper"),
+          arg("step_part"));
     m.def("step4_many", &ds_q8::step4_many,
           "fused step of 4-bit Adam state (ds_q8/format4.py) of many tensors in one parallel loop, in place",
           arg("isa"), arg("rule"), arg("params"), arg("grads"), arg("m_codes"), arg("v_codes"), arg("m_absmax"),
