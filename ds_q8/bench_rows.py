@@ -18,7 +18,7 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8 import ops
 from ds_q8.optim.layout import Comm, Segment, StateLayout, shared_blocks
-from ds_q8.optim.qstate import codes_key
+from ds_q8.optim.state_keys import codes_key
 
 BYTES_8BIT, BYTES_32BIT, BYTES_QUANT, BYTES_COPY = 16, 28, 5, 8
 BYTES_4BIT = 14  # fp32 parameter read and written, gradient read, two 4-bit codes read and written

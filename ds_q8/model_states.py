@@ -12,7 +12,7 @@ from typing import Dict
 import torch
 
 from .optim.base import Optimizer8bitBlock
-from .optim.qstate import has_storage
+from .optim.state_keys import has_storage
 
 def _base_optimizer(obj):
     """Follow ``.optimizer`` from an engine or ZeRO wrapper down to the torch optimizer."""

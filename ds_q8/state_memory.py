@@ -20,7 +20,8 @@ from typing import List, Sequence
 from . import format4
 from . import functional as F
 from .optim.layout import Segment, StateLayout, shared_blocks
-from .optim.qstate import ABSMAX_BYTES, QuantizedState
+from .optim.qstate import QuantizedState
+from .optim.state_keys import ABSMAX_BYTES
 
 
 def _num_states(optimizer: str, optimizer_params: dict = None) -> int:

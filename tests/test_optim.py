@@ -328,7 +328,7 @@ def test_lr_is_read_from_the_group_each_step():
 def _format2(opt) -> dict:
     """``opt``'s state_dict as ds_q8 0.1 wrote it (state format 2): each 8-bit state requantized from its
     exact values with float32 block maxima (the plain maximum, 1/absmax as the scale)."""
-    from ds_q8.optim.qstate import absmax_key, codes_key
+    from ds_q8.optim.state_keys import absmax_key, codes_key
     sd = copy.deepcopy(opt.state_dict())
     sd["ds_q8"]["format"] = 2
     for p, (pid, st) in zip(opt.param_groups[0]["params"], sd["state"].items()):

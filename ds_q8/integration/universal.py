@@ -31,7 +31,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import functional as F
-from ..optim.qstate import CORRECTION_KEY, QuantizedState, has_storage
+from ..optim.qstate import QuantizedState
+from ..optim.state_keys import CORRECTION_KEY, has_storage
 from ..optim.tensor_states import state_bits_of
 from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class

@@ -27,11 +27,11 @@ import torch
 from . import nonfinite as NF
 from . import state_io, telemetry
 from . import step as S
-from .plan import StepPlan
 from .checks import check_optimizer_kwargs
 from .group_options import OPTIONS, check_common_group, check_four_bit
 from .layout import StateLayout
-from .qstate import QuantizedState, has_storage, is_8bit
+from .qstate import QuantizedState
+from .state_keys import has_storage, is_8bit
 from .rules import Rule
 from .tensor_states import OPTIM_BITS_ATTR, TensorStates, uses_8bit
 
@@ -93,7 +93,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self._pending_skips = NF.PendingSkips()
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
         #: the last step's plan, reused while it holds (``plan.py``)
-        self._plan: Optional[StepPlan] = None
+        self._plan = None
         super().__init__(params, dict(options, **defaults))
 
     def rule_for(self, group: dict) -> Rule:
@@ -298,38 +298,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.settle()
-        plan = self._plan
-        grads = plan.gradients(self) if plan is not None else None
-        if grads is not None:  # the same tensors as the last step: its plan (plan.py)
-            go, flag = NF.decide(self, plan.work)
-            if go:
-                counters = plan.run(self, grads, flag)
-                if flag is not None:
-                    self._pending_skips.add(flag, counters)
-            return loss
-        self._plan = None
-        work = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{self.__class__.__name__} does not support sparse gradients; "
-                        "use a dense embedding (sparse=False)"
-                    )
-                if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                    raise TypeError(f"{self.__class__.__name__} supports float32/float16/bfloat16 params, got {p.dtype}")
-                work.append((group, p))
-        go, flag = NF.decide(self, work)
-        if not go:
-            return loss
-        by_rule, counters = S.tensor_steps(self, work)
-        for rule, steps in by_rule.values():
-            S.step(rule, steps, skip=flag)
-        if flag is not None:
-            self._pending_skips.add(flag, counters)
-        self._plan = StepPlan.build(self, work, by_rule)
+        S.optimizer_step(self)
         return loss
 
     def settle(self) -> None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence
 import torch
 
 from .. import functional as F
-from . import qstate
+from .state_keys import CORRECTION_KEY
 from .checks import check_range
 from .rules import Rule
 
@@ -103,7 +103,7 @@ def correction_of(t: "TensorStep") -> Optional[torch.Tensor]:
     """The flat correction bytes of a tensor step, or None."""
     if not corrected(t.group, t.param.dtype):
         return None
-    c = t.state.entry.get(qstate.CORRECTION_KEY)
+    c = t.state.entry.get(CORRECTION_KEY)
     if c is None:
         raise RuntimeError("correction_byte=True but the tensor's state has no correction bytes")
     return c.view(-1)

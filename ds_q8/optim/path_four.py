@@ -20,12 +20,13 @@ import torch
 
 from .. import format4 as Q4
 from .. import ops
-from . import four_bit, qstate
+from . import four_bit
 from .path_kernel import _unsupported, kernel_rule
 from .path_reference import read_param, write_param
 from .pieces import TensorStep
 from .rules import Rule
 from .telemetry import add_error
+from .state_keys import CHUNK
 
 _MAPS: Dict[str, list] = {}  # device -> format4's maps and midpoints there, copied once
 
@@ -73,7 +74,7 @@ def step_four(rule: Rule, tensors: Sequence[tuple]) -> None:
     for batch in [_kernel_step(rule, b) for b in batches.values()] + [measured]:
         for t, h, piece, keys, corr in batch:
             layout = t.state.layout
-            for sp in four_bit.spans(layout, piece, qstate.CHUNK):
+            for sp in four_bit.spans(layout, piece, CHUNK):
                 m, v = _update(rule, t, h, sp, piece.segment, keys, corr)
                 four_bit.write(t.state, sp, m, v)
                 _measure(t, piece.segment, sp, m, v)

@@ -9,10 +9,11 @@ import torch
 
 from .. import functional as F
 from .. import ops
-from . import qstate, rounding, telemetry
+from . import rounding, telemetry
 from .group_options import maps_of, stochastic_params, stochastic_states
 from .pieces import Item8, Item32, Rounding
 from .rules import Rule
+from .state_keys import CHUNK
 
 def read_param(p: torch.Tensor, correction: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A parameter (or its chunk) as fp32: with its correction bytes, the 24-bit value they make."""
@@ -96,7 +97,7 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
     pf = p.data.view(-1) if in_place else p.data.reshape(-1).clone()
     gf = grad.reshape(-1)
     flat_codes = [c.view(-1) for c in codes]
-    chunk = max(bs, qstate.CHUNK // bs * bs)
+    chunk = max(bs, CHUNK // bs * bs)
     for start in range(0, n, chunk):
         end = min(n, start + chunk)
         b0, b1 = start // bs, F.num_blocks(end, bs)

@@ -33,7 +33,7 @@ import torch
 from .. import ops
 from .group_options import OPTIONS, group_impl, stochastic_params, stochastic_states
 from .path_kernel import _kernel_maps, _module_with_rule, _unsupported, kernel_rule
-from .qstate import CORRECTION_KEY, codes_key, fp32_key
+from .state_keys import CORRECTION_KEY, codes_key, fp32_key
 from .rounding import mix32, step_key
 
 _M32 = 0xFFFFFFFF

@@ -23,7 +23,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .qstate import CORRECTION_KEY, QuantizedState, storage_keys
+from .qstate import QuantizedState
+from .state_keys import CORRECTION_KEY, storage_keys
 from .rules import Rule
 
 # DeepSpeed's universal checkpoints know only Adam's two state names. An optimizer whose states

@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from . import nonfinite as NF
 from . import rounding
 from .group_options import IMPLS
 from .group_options import (corrected, correction_of, group_impl, maps_of, stochastic_params,  # noqa: F401
@@ -47,7 +48,8 @@ from .path_reference import (block_codec, read_param, reference_step_32bit, refe
                              write_param)
 from .path_shared import update_shared
 from .pieces import Item8, Item32, Rounding, TensorStep  # noqa: F401
-from .qstate import CORRECTION_KEY, codes_key, fp32_key
+from .plan import StepPlan
+from .state_keys import CORRECTION_KEY, codes_key, fp32_key
 from .rules import Rule
 
 
@@ -263,6 +265,50 @@ class _Plan:
 
 
 # ---------------------------------------------------------------------------- from an optimizer's groups
+def optimizer_step(opt) -> None:
+    """One ``step()`` of optimizer ``opt`` (after its closure and ``settle``): the last step's plan where it
+    still holds (``plan.py``), else the general path, which leaves a plan for the next step."""
+    plan = opt._plan
+    grads = plan.gradients(opt) if plan is not None else None
+    if grads is not None:
+        go, flag = NF.decide(opt, plan.work)
+        if go:
+            _count_pending(opt, flag, plan.run(opt, grads, flag))
+        return
+    opt._plan = None
+    work = stepped_tensors(opt)
+    go, flag = NF.decide(opt, work)
+    if not go:
+        return
+    by_rule, counters = tensor_steps(opt, work)
+    for rule, steps in by_rule.values():
+        step(rule, steps, skip=flag)
+    _count_pending(opt, flag, counters)
+    opt._plan = StepPlan.build(opt, work, by_rule)
+
+
+def _count_pending(opt, flag, counters) -> None:
+    """A CUDA step's device skip flag, with the counts it advanced, for ``settle`` to read later."""
+    if flag is not None:
+        opt._pending_skips.add(flag, counters)
+
+
+def stepped_tensors(opt) -> list:
+    """``(group, parameter)`` of every parameter with a gradient, checked."""
+    work = []
+    name = type(opt).__name__
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{name} does not support sparse gradients; use a dense embedding (sparse=False)")
+            if p.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                raise TypeError(f"{name} supports float32/float16/bfloat16 params, got {p.dtype}")
+            work.append((group, p))
+    return work
+
+
 def tensor_steps(opt, work):
     """The :class:`TensorStep` of each ``(group, tensor)`` of ``work`` for optimizer ``opt``, grouped by
     rule in the order the groups first use them: ``({id(rule): (rule, steps)}, step counters)``. Each
@@ -329,7 +375,7 @@ def match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
         entry.pop(CORRECTION_KEY, None)
 
 
-__all__ = ["step", "tensor_steps", "match_correction", "segment_hypers", "TensorStep", "Item8", "Item32", "Rounding", "IMPLS", "group_impl", "corrected",
+__all__ = ["step", "optimizer_step", "stepped_tensors", "tensor_steps", "match_correction", "segment_hypers", "TensorStep", "Item8", "Item32", "Rounding", "IMPLS", "group_impl", "corrected",
            "correction_of", "stochastic_params", "stochastic_states", "maps_of", "fused_step_many",
            "fused_step_fp32_many", "kernel_rule", "reference_step_8bit", "reference_step_32bit", "read_param",
            "write_param", "block_codec"]
