@@ -17,11 +17,10 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
-from . import format4
 from . import functional as F
+from .optim.codecs import codec_for
 from .optim.layout import Segment, StateLayout, shared_blocks
 from .optim.qstate import QuantizedState
-from .optim.state_keys import ABSMAX_BYTES
 
 
 def _num_states(optimizer: str, optimizer_params: dict = None) -> int:
@@ -38,11 +37,8 @@ def tensor_state_bytes(numel: int, num_states: int, bits: int, block_size: int, 
     """Bytes of one tensor's optimizer state (without the step counter)."""
     if numel == 0:
         return 0
-    if bits == 8 and numel >= min_8bit_size:
-        return num_states * (numel + ABSMAX_BYTES * F.num_blocks(numel, block_size))
-    if bits == 4 and numel >= min_8bit_size:  # Adam's two moments (format4.py): bf16 and fp32 maxima
-        maxima = sum(dtype.itemsize for dtype in format4.ABSMAX_DTYPES)
-        return 2 * format4.packed_bytes(0, numel) + maxima * F.num_blocks(numel, block_size)
+    if bits in (4, 8) and numel >= min_8bit_size:  # the codec of that width (4 bits: Adam's two moments)
+        return codec_for(bits).state_bytes(numel, num_states, block_size)
     return num_states * 4 * numel
 
 

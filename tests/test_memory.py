@@ -11,6 +11,10 @@ from torch import nn
 import ds_q8
 from ds_q8.memory import estimate_state_bytes, gpt2_muon_groups, gpt2_param_groups, main, state_tensor_sizes
 from ds_q8.model_states import measured_state_bytes
+from ds_q8.optim.codecs import codec_for
+from ds_q8.optim.layout import StateLayout
+from ds_q8.optim.qstate import QuantizedState
+from ds_q8.state_memory import tensor_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,3 +156,13 @@ def test_offload_cli_prints_every_row(capsys):
     assert "ds_q8 AdamW8bitBlock, bf16 masters (stochastic rounding)" in out
     with pytest.raises(SystemExit, match="ZeRO stage of 1, 2 or 3"):
         main(["--offload", "--stage", "0"])
+
+
+@pytest.mark.parametrize("bits,num_states", [(8, 1), (8, 2), (8, 3), (4, 2)])
+@pytest.mark.parametrize("numel", [1, 63, 64, 65, 4097])
+def test_a_codecs_bytes_are_what_a_live_state_allocates(bits, num_states, numel):
+    # the estimate asks the codec of the width; QuantizedState.bytes_for counts a live layout's tensors
+    layout = StateLayout.for_parameter(torch.zeros(numel), True, 64, state_bits=bits)
+    live = QuantizedState.bytes_for(layout, num_states)
+    assert codec_for(bits).state_bytes(numel, num_states, 64) == live["codes"] + live["absmax"]
+    assert tensor_state_bytes(numel, num_states, bits, 64, 0) == live["codes"] + live["absmax"]

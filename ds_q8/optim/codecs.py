@@ -18,7 +18,18 @@ from .layout import StateLayout
 from .state_keys import CHUNK, absmax_key, codes_key
 
 
-class EightBit:
+class _Codec:
+    """What every codec answers the same way from its own format."""
+
+    def state_bytes(self, numel: int, num_states: int, block_size: int) -> int:
+        """Bytes of one tensor's quantized states over ``numel`` elements: codes and block maxima (the
+        memory estimate's figure; :meth:`QuantizedState.bytes_for` gives a live layout's)."""
+        dtypes = self.absmax_dtypes(num_states)
+        maxima = sum(dtype.itemsize for dtype in dtypes)
+        return len(dtypes) * self.code_bytes(numel) + maxima * F.num_blocks(numel, block_size)
+
+
+class EightBit(_Codec):
     """8-bit codes: one byte an element, each state on its own map (``quantization``, signed or not)
     against bfloat16 block maxima. The coding half of :class:`QuantizedState` for ``state_bits=8``;
     the fp32 segments are the state's own."""
@@ -26,6 +37,11 @@ class EightBit:
     @staticmethod
     def absmax_dtypes(num_states: int) -> tuple:
         return (F.ABSMAX_DTYPE,) * num_states
+
+    @staticmethod
+    def code_bytes(numel: int) -> int:
+        """Bytes of one state's codes over ``numel`` elements."""
+        return numel
 
     @staticmethod
     def code_maps(qs: "QuantizedState", device) -> List[torch.Tensor]:
@@ -146,13 +162,18 @@ class EightBit:
             c.copy_(whole[seg.param_start:seg.param_end])
 
 
-class FourBit:
+class FourBit(_Codec):
     """4-bit codes (``optim_bits=4``): Adam's two moments in ``format4.py``'s format, two codes a byte;
     ``four_bit.py`` does the work. The coding half of :class:`QuantizedState` for ``state_bits=4``."""
 
     @staticmethod
     def absmax_dtypes(num_states: int) -> tuple:
         return format4.ABSMAX_DTYPES
+
+    @staticmethod
+    def code_bytes(numel: int) -> int:
+        """Bytes of one state's codes over ``numel`` elements of a parameter, from its start."""
+        return format4.packed_bytes(0, numel)
 
     @staticmethod
     def code_maps(qs: "QuantizedState", device) -> List[torch.Tensor]:

@@ -103,7 +103,7 @@ class QuantizedState:
     @staticmethod
     def bytes_for(layout: StateLayout, num_states: int) -> Dict[str, int]:
         """The bytes :meth:`create` allocates for ``layout`` (no step counter), by kind."""
-        absmax = sum(dtype.itemsize for dtype in absmax_dtypes(layout, num_states))
+        absmax = sum(dtype.itemsize for dtype in codec_for(layout.state_bits).absmax_dtypes(num_states))
         return {"codes": num_states * layout.num_codes,
                 "absmax": absmax * layout.num_blocks,
                 "fp32": 4 * num_states * layout.num_fp32}

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import functional as F
-
 # Elements dequantized at a time by the readers and the reference: bounds their fp32 temporaries.
 CHUNK = 1 << 20
-#: bytes of one stored block maximum
-ABSMAX_BYTES = torch.tensor([], dtype=F.ABSMAX_DTYPE).element_size()
 
 
 def codes_key(i: int) -> str:
@@ -49,5 +45,5 @@ def has_storage(entry: dict) -> bool:
     return "step" in entry and any(k.startswith("state") for k in entry)
 
 
-__all__ = ["CHUNK", "ABSMAX_BYTES", "codes_key", "absmax_key", "fp32_key", "CORRECTION_KEY", "storage_keys",
+__all__ = ["CHUNK", "codes_key", "absmax_key", "fp32_key", "CORRECTION_KEY", "storage_keys",
            "is_8bit", "has_storage"]
