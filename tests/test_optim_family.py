@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ds_q8
-from ds_q8.optim import qstate
+from ds_q8.optim import codecs, path_reference, qstate
 
 from helpers.optimizer_cases import CASES as ALL_CASES
 
@@ -127,7 +127,8 @@ def test_norm_pass_is_independent_of_chunking(cls, monkeypatch):
         return w.detach().clone(), opt.state[w]["state1"].clone()
 
     whole = go()
-    monkeypatch.setattr(qstate, "CHUNK", 4096)
+    for module in (qstate, codecs, path_reference):  # each reads CHUNK as its own name
+        monkeypatch.setattr(module, "CHUNK", 4096)
     chunked = go()
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
 

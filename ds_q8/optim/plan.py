@@ -73,15 +73,16 @@ class _Call:
         self.corrections = [qs.entry[CORRECTION_KEY].view(-1) for qs in qss] \
             if any(CORRECTION_KEY in qs.entry for qs in qss) else []
         self.cuda = self.params[0].is_cuda
-        # on CPU the op converts and checks the call's tensors once, here; a run takes only the gradients
+        # where the op has a prepared call (the CPU op), it converts and checks the call's tensors once,
+        # here, and a run takes only the gradients
         self.prepared = None
-        if not self.cuda and all(self.keyed) == any_key:
+        prepare = getattr(module, "PreparedStep", None)
+        if prepare is not None and not self.cuda and all(self.keyed) == any_key:
             keyed = self.group_bits if any_key else [], self.param_bits if any_key else []
-            self.prepared = module.PreparedStep(name, self.params, list(self.states), self.absmax or [],
-                                                [] if fp32 else list(maps[0]), [] if fp32 else list(maps[1]),
-                                                self.block_size or 0, *keyed, stochastic_params=self.stoch_params,
-                                                stochastic_states=[] if fp32 else self.stoch_states,
-                                                corrections=self.corrections)
+            self.prepared = prepare(name, self.params, list(self.states), self.absmax or [],
+                                    [] if fp32 else list(maps[0]), [] if fp32 else list(maps[1]),
+                                    self.block_size or 0, *keyed, stochastic_params=self.stoch_params,
+                                    stochastic_states=[] if fp32 else self.stoch_states, corrections=self.corrections)
 
     def keys(self, step_part: int) -> list:
         """Each tensor's rounding key at this step (``rounding.sr_key``), 0 where it takes none; the

@@ -134,6 +134,9 @@ class SimAsCpuOp:
     runs the CUDA op's binding, launchers and device code. CPU entry points take an instruction set
     first, which the harness ignores; what the CUDA op lacks comes from the CPU op."""
 
+    #: the CUDA op has no prepared call: a step that reuses its plan calls step_many, which runs the harness
+    PreparedStep = None
+
     def __init__(self, sim, cpu):
         self.sim, self.cpu = sim, cpu
 
