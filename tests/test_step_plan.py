@@ -14,6 +14,7 @@ from ds_q8 import ops
 from ds_q8.optim.plan import StepPlan
 
 from helpers.compare import assert_same_bits, spy_calls
+from helpers.isa import ISAS, isa  # noqa: F401 (isa is a fixture)
 
 # 8-bit state (fp32, bf16 and fp16 parameters, a partial last block), fp32 state (below min_8bit_size)
 SHAPES = [((64, 80), torch.float32), (5000, torch.float32), (300, torch.float32), (4096, torch.bfloat16),
@@ -72,7 +73,8 @@ def step_both(planned, general, step, change=None):
 @pytest.mark.parametrize("cls,kw", [(ds_q8.AdamW8bitBlock, dict(weight_decay=0.1)),
                                     (ds_q8.Lion8bitBlock, {}), (ds_q8.Momentum8bitBlock, {}),
                                     (ds_q8.AdEMAMix8bitBlock, {})])
-def test_planned_steps_equal_the_general_path(cls, kw):
+@pytest.mark.parametrize("isa", ISAS, indirect=True)  # the prepared call on every instruction set
+def test_planned_steps_equal_the_general_path(cls, kw, isa):
     pp, pg = make_params(), make_params()
     op, og = make_opt(pp, cls, **kw), make_opt(pg, cls, **kw)
     sched = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (op, og)]

@@ -34,7 +34,7 @@ from .. import ops
 from .group_options import OPTIONS, group_impl, stochastic_params, stochastic_states
 from .path_kernel import _kernel_maps, _module_with_rule, _unsupported, kernel_rule
 from .state_keys import CORRECTION_KEY, codes_key, fp32_key
-from .rounding import mix32, step_key
+from .rounding import sr_key, step_key
 
 _M32 = 0xFFFFFFFF
 
@@ -85,21 +85,10 @@ class _Call:
                                     stochastic_states=[] if fp32 else self.stoch_states, corrections=self.corrections)
 
     def keys(self, step_part: int) -> list:
-        """Each tensor's rounding key at this step (``rounding.sr_key``), 0 where it takes none; the
-        first hash of the key is the group's, taken once."""
+        """Each tensor's rounding key at this step (``rounding.sr_key``), 0 where it takes none."""
         if not self.any_key:
             return []
-        heads: dict = {}
-        out = []
-        for g, p, on in zip(self.group_bits, self.param_bits, self.keyed):
-            if on:
-                head = heads.get(g)
-                if head is None:
-                    head = heads[g] = mix32(step_part ^ g)
-                out.append(mix32(head ^ p))
-            else:
-                out.append(0)
-        return out
+        return [sr_key(step_part, g, p) if on else 0 for g, p, on in zip(self.group_bits, self.param_bits, self.keyed)]
 
     def run(self, hyper: dict, step_part: int, grads: list, skip) -> None:
         gs = [grads[i] for i in self.index]
