@@ -464,3 +464,7 @@ def test_a_changed_header_changes_the_build_flags(tmp_path, monkeypatch):
     with open(copy / "includes" / "q8_common.h", "a") as f:
         f.write("\n// edited\n")
     assert common.headers_define() != before
+    edited = common.headers_define()
+    with open(copy / "cuda" / "q8_cuda_step.cuh", "a") as f:  # the CUDA step's headers count too
+        f.write("\n// edited\n")
+    assert common.headers_define() != edited

@@ -19,13 +19,18 @@ def csrc(*parts: str) -> str:
     return os.path.join(CSRC, *parts)
 
 
+def headers() -> list:
+    """Every header in csrc/: the C++ ones (``.h``) and the CUDA step's (``.cuh``), sorted."""
+    return sorted(glob.glob(csrc("**", "*.h"), recursive=True) + glob.glob(csrc("**", "*.cuh"), recursive=True))
+
+
 def headers_define() -> str:
     """``-DQ8_HEADERS=<digest of every header in csrc/>``, for the compiler flags.
 
     torch's JIT cache rebuilds an op when its sources or flags change, not its headers; most of the
     kernels live in headers, so their digest goes into the flags and a changed header rebuilds."""
     digest = hashlib.sha1()
-    for path in sorted(glob.glob(csrc("**", "*.h"), recursive=True)):
+    for path in headers():
         digest.update(os.path.relpath(path, CSRC).encode())
         with open(path, "rb") as f:
             digest.update(f.read())
@@ -53,8 +58,7 @@ class PrebuiltFirstMixin:
         except ImportError:
             from .notice import announce
 
-            headers = glob.glob(csrc("**", "*.h"), recursive=True)
-            announce(self.name, list(self.sources()) + headers, *self.DESCRIPTION)
+            announce(self.name, list(self.sources()) + headers(), *self.DESCRIPTION)
             module = self.jit_load(verbose)
         cache[self.name] = module
         return module
