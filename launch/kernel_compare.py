@@ -59,7 +59,10 @@ def snapshot(rev: str, dest: str) -> str:
     archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "ds_q8/csrc"], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
     csrc = os.path.join(dest, "ds_q8", "csrc")
-    common = os.path.join(csrc, "includes", "q8_common.h")
+    # Q8_RULES is in q8_rules.h; revisions before that header have it in q8_common.h
+    common = os.path.join(csrc, "includes", "q8_rules.h")
+    if not os.path.exists(common):
+        common = os.path.join(csrc, "includes", "q8_common.h")
     text = open(common).read()
     start = text.index("#define Q8_RULES(X)")
     end = text.index("}  // namespace ds_q8", start)

@@ -85,7 +85,10 @@ def sources(rev: Optional[str], dest: str, rules: List[str]) -> str:
         subprocess.run(["tar", "-x", "-C", out], input=archive, check=True)
     else:
         shutil.copytree(os.path.join(ROOT, CSRC), os.path.join(out, CSRC))
-    common = os.path.join(out, CSRC, "includes", "q8_common.h")
+    # Q8_RULES is in q8_rules.h; revisions before that header have it in q8_common.h
+    common = os.path.join(out, CSRC, "includes", "q8_rules.h")
+    if not os.path.exists(common):
+        common = os.path.join(out, CSRC, "includes", "q8_common.h")
     text = open(common).read()
     start = text.index("#define Q8_RULES(X)")
     end = text.index("}  // namespace ds_q8", start)

@@ -17,7 +17,7 @@ import kernel_compare  # noqa: E402
 def test_a_snapshot_holds_adam_rules_only(tmp_path):
     csrc = kernel_compare.snapshot("HEAD", str(tmp_path / "earlier"))
     assert os.path.exists(os.path.join(csrc, "cuda", "q8_cuda_kernels.cu"))
-    common = open(os.path.join(csrc, "includes", "q8_common.h")).read()
+    common = open(os.path.join(csrc, "includes", "q8_rules.h")).read()
     rules = common[common.index("#define Q8_RULES(X)"):].split("\n")[0]
     assert rules == '#define Q8_RULES(X) X("adam", AdamRule<false>) X("adamw", AdamRule<true>)'
     assert kernel_compare.revision(csrc) == os.popen(f"git -C {sim_op.ROOT} rev-parse --short HEAD").read().strip()

@@ -69,6 +69,6 @@ def test_cold_lines_take_a_blocks_lines_and_a_line_alone(tmp_path):
 
 def test_sources_keeps_only_the_rules_asked_for(tmp_path):
     csrc = sass_count.sources(None, str(tmp_path), ["adamw"])
-    text = open(os.path.join(csrc, "includes", "q8_common.h")).read()
+    text = open(os.path.join(csrc, "includes", "q8_rules.h")).read()
     line = next(l for l in text.split("\n") if l.startswith("#define Q8_RULES(X)"))
     assert '"adamw"' in line and '"adam"' not in line and '"lion"' not in line

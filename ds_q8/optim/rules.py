@@ -1,7 +1,7 @@
 """The update rules, in plain PyTorch: the specification that every kernel reproduces bit for bit.
 
 A :class:`Rule` is what a step needs to know of an optimizer: the name under which the kernels know
-it (``Q8_RULES`` in ``csrc/includes/q8_common.h``), the names and maps of its states, and its update
+it (``Q8_RULES`` in ``csrc/includes/q8_rules.h``), the names and maps of its states, and its update
 on float32 tensors. The update takes ``(p, g, states, h)``: the parameter (or a chunk of it), its
 gradient, the states dequantized, all float32 and changed in place (``g`` must not be), and ``h``,
 the step scalars (python floats) that the optimizer computed for the group and step. Each update is

@@ -32,6 +32,8 @@
 #include "q8_common.h"
 #include "q8_cpu_api.h"
 #include "q8_cpu_blocks.h"  // Stochastic
+#include "q8_four.h"
+#include "q8_rules.h"       // Q8_RULES
 
 namespace ds_q8 {
 namespace {
@@ -292,7 +294,7 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
     }
 }
 
-// q8_four_decode / q8_four_encode (q8_common.h) as loops over a block that the compiler vectorizes for
+// q8_four_decode / q8_four_encode (q8_four.h) as loops over a block that the compiler vectorizes for
 // this file's instruction set (block maxima with the traits' NaN-propagating vector max): the same
 // operations in the same order, so the same bits.
 inline void four_unpack(const uint8_t* bytes, int len, uint8_t* c) {

@@ -27,6 +27,8 @@
 #include "q8_common.h"
 #include "q8_cuda_api.h"
 #include "q8_floortable.h"
+#include "q8_four.h"
+#include "q8_rules.h"
 
 // Every launch goes through Q8_LAUNCH, and the step kernel's tables through Q8_DYNAMIC_SHARED: CUDA's
 // here, the CPU execution harness of the tests (tests/cuda_sim/cuda_sim.h) where it defines its own.

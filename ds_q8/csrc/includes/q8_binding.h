@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "q8_common.h"
+#include "q8_rules.h"
 
 namespace ds_q8 {
 namespace binding {
