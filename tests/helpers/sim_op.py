@@ -61,7 +61,8 @@ def build_dir() -> str:
 
 
 def device_sources(folder: str):
-    """The CUDA op's device code in ``folder``: q8_cuda_kernels.cu, the step's header and its parts."""
+    """The CUDA op's device code in ``folder``: q8_cuda_kernels.cu, the step's headers and its parts
+    (every ``q8_cuda_*`` .cu and .cuh file, so that a planted-bug copy holds all that the .cu files include)."""
     return sorted(os.path.join(folder, n) for n in os.listdir(folder)
                   if n.startswith("q8_cuda_") and n.endswith((".cu", ".cuh")))
 
