@@ -14,6 +14,11 @@ from .registry import OPTIMIZERS, register_with_deepspeed
 __version__ = "0.4.0"
 
 registry.connect()  # no DeepSpeed import: see ds_q8.integration.entry
+# before any process group exists: torch's collectives must not capture the world group (see the module)
+from .integration.process_groups import bind_collective_defaults_early as _bind_early
+
+_bind_early()
+del _bind_early
 
 __all__ = [
     "functional",

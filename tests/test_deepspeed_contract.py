@@ -74,18 +74,39 @@ def initialize(kind):
 """
 
 
-#: after the case's last line: leave without the interpreter's teardown. Once, a case that had printed
-#: every expected line was aborted there ("terminate called without an active exception", exit -6),
-#: after DeepSpeed had built its CPU shared-memory communication op; the cases test the integration,
-#: not how DeepSpeed's and torch's native threads end
-EXIT = "\nsys.stdout.flush(); sys.stderr.flush(); os._exit(0)\n"
-
-
-def run(code: str, timeout: int = 300) -> str:
-    out = subprocess.run([sys.executable, "-c", PRELUDE + code + EXIT, str(free_port())], capture_output=True,
+def run(code: str, timeout: int = 300, prelude: str = PRELUDE) -> str:
+    """The case in a fresh interpreter that ends as a user's script does (no process group destroyed)."""
+    out = subprocess.run([sys.executable, "-c", prelude + code, str(free_port())], capture_output=True,
                          text=True, cwd=REPO, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
+
+
+CAPTURED = r"""
+def captured():
+    import torch.distributed.nn.functional as f
+    from torch.distributed import ProcessGroup
+    return sorted(n for n, fn in vars(f).items()
+                  if any(isinstance(d, ProcessGroup) for d in getattr(fn, "__defaults__", None) or ()))
+"""
+
+
+def test_the_world_group_is_not_captured_by_torchs_collectives():
+    """A group that torch.distributed.nn's defaults hold lives as long as the interpreter, with its Gloo
+    threads (the exit abort of ds_q8.integration.process_groups): after ``import ds_q8`` a config-built
+    engine leaves none there; without it, torch's lazy import during the optimizer's construction binds it."""
+    out = run(CAPTURED + r"""
+engine = initialize("config")
+print("captured with ds_q8", captured())
+""")
+    assert "captured with ds_q8 []" in out
+    bare = PRELUDE.replace("import torch\n", "import torch, deepspeed\n", 1)
+    out = run(CAPTURED + r"""
+deepspeed.init_distributed(dist_backend="gloo")
+torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())
+print("captured without ds_q8", len(captured()) > 0)
+""", prelude=bare)
+    assert "captured without ds_q8 True" in out
 
 
 def test_import_imports_no_deepspeed_and_then_wraps_initialize_only():
