@@ -1,6 +1,9 @@
 """The CUDA op: it compiles without a GPU (so CI catches build errors), and on a GPU its steps and
 (de)quantization are bit-identical to the pure-PyTorch reference run on the same GPU."""
 import os
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -9,6 +12,9 @@ import ds_q8
 from ds_q8 import functional as F
 from ds_q8.optim import rules
 from ds_q8.op_builder import Q8CUDABuilder
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+import ptxas_report  # noqa: E402
 
 from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
 
@@ -41,15 +47,37 @@ def test_incompatible_without_gpu_or_arch_list_says_why(monkeypatch):
     assert "TORCH_CUDA_ARCH_LIST" in b.error_log or "CPU-only" in b.error_log or "CUDA toolkit" in b.error_log
 
 
-def test_cuda_extension_compiles_and_imports(monkeypatch):
-    """A build error in the CUDA sources fails here, with or without a GPU."""
-    if not GPU:
-        monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0")
-    b = Q8CUDABuilder()
+@pytest.fixture(scope="module")
+def built():
+    """The CUDA op, built once for this file, and what its build printed. Without a GPU it is built for
+    sm_90 with DS_Q8_PTXAS_VERBOSE=1, so the log holds ptxas's report of every kernel (nothing where the
+    build was cached)."""
     if torch.version.cuda is None:
         pytest.skip("torch is a CPU-only build")
-    assert b.is_compatible(), b.error_log
-    module = b.load()
+    with pytest.MonkeyPatch.context() as mp:
+        if not GPU:  # (with a GPU the op's other tests load the default build: no second one for the report)
+            mp.setenv("TORCH_CUDA_ARCH_LIST", os.environ.get("TORCH_CUDA_ARCH_LIST") or "9.0")
+            mp.setenv("DS_Q8_PTXAS_VERBOSE", "1")
+        b = Q8CUDABuilder()
+        assert b.is_compatible(), b.error_log
+        # the build's compiler output goes to file descriptor 1 (torch runs ninja on it): read it there
+        with tempfile.TemporaryFile(mode="w+") as log:
+            sys.stdout.flush()
+            saved = os.dup(1)
+            os.dup2(log.fileno(), 1)
+            try:
+                module = b.load(verbose=True)
+            finally:
+                sys.stdout.flush()
+                os.dup2(saved, 1)
+                os.close(saved)
+            log.seek(0)
+            return module, log.read()
+
+
+def test_cuda_extension_compiles_and_imports(built):
+    """A build error in the CUDA sources fails here, with or without a GPU."""
+    module, _ = built
     # every rule Python knows has its functor, and no other
     assert set(module.rules()) == {r.kernel for r in vars(rules).values() if isinstance(r, rules.Rule) and r.has_kernel}
     # the table, the segment search's tables (512 bytes) and a word saying they are usable, then from the
@@ -114,15 +142,15 @@ def test_cuda_quantize_dequantize_match_reference(dtype):
     assert_quantization_matches(x, F.create_dynamic_map(True), block_size)
 
 
-def test_kernels_keep_every_array_in_registers():
-    """ptxas reports a 0-byte stack frame and no spills for every kernel (launch/ptxas_report.py)."""
-    import subprocess
-    import sys
-
+def test_kernels_keep_every_array_in_registers(built):
+    """ptxas reports a 0-byte stack frame and no spills for every kernel: read from the build's log, or
+    where the build was cached, from launch/ptxas_report.py compiling the kernels again."""
     from ds_q8.op_builder.cuda import use_cuda_home
 
-    if torch.version.cuda is None:
-        pytest.skip("torch is a CPU-only build: no CUDA headers to compile the kernels against")
+    rows = ptxas_report.parse(built[1])
+    if rows:
+        assert not ptxas_report.bad(rows), ptxas_report.bad(rows)
+        return
     if not use_cuda_home():
         pytest.skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -65,9 +65,12 @@ class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):
     def nvcc_args(self):
         # Not DeepSpeed's defaults: --use_fast_math (and nvcc's default FMA contraction) would
         # change the bits of sqrt, division and a*b+c, and the kernels must match torch exactly.
+        # DS_Q8_PTXAS_VERBOSE=1: ptxas prints each kernel's registers, stack frame and spills into the
+        # build log (tests/test_cuda_build.py reads them there instead of compiling the kernels again)
         threads = os.environ.get("DS_NVCC_THREADS", str(min(os.cpu_count() or 1, 8)))
+        report = ["-Xptxas", "-v"] if os.environ.get("DS_Q8_PTXAS_VERBOSE") == "1" else []
         return ["-O3", "-fmad=false", "-prec-div=true", "-prec-sqrt=true", f"--threads={threads}", headers_define()
-                ] + self.compute_capability_args()
+                ] + report + self.compute_capability_args()
 
     def compute_capability_args(self, cross_compile_archs=None):
         """DeepSpeed's, on a TORCH_CUDA_ARCH_LIST that its parser reads.
