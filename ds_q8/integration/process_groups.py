@@ -1,7 +1,7 @@
 """A process group that a training job ends with must be free to end with it.
 
 ``torch.distributed.nn.functional`` binds ``group.WORLD`` into the default arguments of its collectives
-(``broadcast(tensor, src, group=group.WORLD)`` and eight more) when it is first imported. Torch imports
+(``broadcast(tensor, src, group=group.WORLD)`` and the others) when it is first imported. Torch imports
 it lazily, through ``torch._dynamo``, the first time an optimizer is constructed. Where that happens
 after the default group exists (DeepSpeed builds the optimizer of a JSON config after
 ``init_distributed``), ten references to the world group are held by those functions for the rest of
