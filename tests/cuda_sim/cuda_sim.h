@@ -6,9 +6,10 @@
 // - the qualifiers (__global__, __device__, __forceinline__, __grid_constant__) as plain C++;
 //   __shared__ variables become static variables in one linker section, q8sim_shared, whose bytes are
 //   set to 0xFF (NaN as float) before every CTA, so a read before a write shows;
-// - threadIdx/blockIdx/blockDim/gridDim, thread-local to the OS thread that plays the CUDA thread:
-//   every CUDA thread of a CTA is one real thread, so __syncthreads is a real barrier and
-//   __shfl_xor_sync a real exchange between the 32 lanes of a warp;
+// - threadIdx/blockIdx/blockDim/gridDim. Every CUDA thread of a CTA is a fiber with its own stack
+//   (ucontext), and one OS thread per launch runs them in turn, each until it waits at a barrier or
+//   exits: __syncthreads is a barrier and __shfl_xor_sync an exchange between the 32 lanes of a warp,
+//   without an OS thread switch at each;
 // - uint2/uint4 with CUDA's alignment (8 and 16 bytes: UBSan's alignment check sees a vector access
 //   through a pointer that does not have it), __ldg, __float_as_uint, atomicAdd.
 //
@@ -16,10 +17,14 @@
 // - a thread that reaches a __syncthreads after a thread of its CTA exited, or exits while others
 //   wait at one; threads of one CTA waiting at different __syncthreads;
 // - a lane that shuffles after a lane its mask names exited; lanes of a warp at different shuffles;
-// - any wait longer than the watchdog (Q8_SIM_WATCHDOG_S seconds, default 60).
+// - a whole turn of the fibers in which none moves (a deadlock), and it stops the process when a
+//   launch outlives 2 * Q8_SIM_WATCHDOG_S + 10 seconds (default 60: a thread that never yields).
 //
 // CTAs run one after another (there is one copy of shared memory), so races between CTAs are out
-// of its reach; races inside a CTA are ThreadSanitizer's to find (the -fsanitize=thread build).
+// of its reach. Races inside a CTA are ThreadSanitizer's to find (the -fsanitize=thread build): each
+// fiber is a thread to it, ordered with the others only by the barriers and warp exchanges between
+// them (each arrival releases, each departure acquires), so two accesses with no barrier between
+// them are a race whichever order the fibers ran them in. AddressSanitizer is told of every stack switch.
 // The math is the host's IEEE float with contraction off (-ffp-contract=off), as the op's
 // -fmad=false asks of nvcc.
 #pragma once
@@ -39,6 +44,10 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <pthread.h>
+
+#include "fibers.h"
 
 // q8_common.h then takes its device branches (__CUDA_ARCH__): the code nvcc compiles for the GPU.
 #define __CUDACC__ 1
@@ -107,31 +116,43 @@ struct Abort {};
 constexpr int kWarp = 32;
 
 struct Warp {
-    std::condition_variable cv;
     int size = 0, arrived = 0, exited = 0, line = 0, lane_mask = 0;
     unsigned mask = 0;
     uint64_t gen = 0;
     uint64_t slot[2][kWarp] = {};
+    uint64_t sync[2] = {};  // ThreadSanitizer's sync objects, one per parity of gen
 };
 
-// One launch: its CTAs run one after another, each on `threads` OS threads.
+// One launch: its CTAs run one after another; a CTA's `threads` CUDA threads are fibers that one OS thread
+// runs in turn, each until it waits at a barrier or exits.
 struct Launch {
     std::string name;
     int64_t grid = 0;
     int threads = 0;
     double watchdog_s = 60.0;
-    std::mutex mu;
+    const std::function<void()>* body = nullptr;
     bool failed = false;
     std::string error;
     // __syncthreads of the current CTA
-    std::condition_variable cta_cv;
     int arrived = 0, exited = 0, line = 0;
     uint64_t gen = 0;
+    uint64_t cta_sync[2] = {};
     std::vector<std::unique_ptr<Warp>> warps;
-    // the harness's own barrier between CTAs, and the count of finished threads
-    std::condition_variable end_cv, finished_cv;
-    int at_end = 0, finished = 0;
+    // the harness's own barrier between CTAs
+    int at_end = 0;
     uint64_t end_gen = 0;
+    uint64_t end_sync[2] = {};
+    // the fibers, the OS thread's own context (main) and the one running (-1: main)
+    std::vector<Fiber> fibers;
+    Fiber main;
+    int running = -1;
+    // arrivals, passings and exits: a whole turn of the fibers that leaves it unchanged is a deadlock
+    uint64_t progress = 0;
+    uint64_t start_sync = 0, exit_sync = 0;
+    // between the launching thread and the one that runs the fibers
+    std::mutex mu;
+    std::condition_variable finished_cv;
+    bool finished = false;
 };
 
 inline thread_local Launch* current = nullptr;
@@ -159,13 +180,10 @@ inline std::string where() {
     return s.str();
 }
 
-// Records the launch's first error and wakes every waiter; the caller holds L.mu.
+// Records the launch's first error; every waiting thread unwinds when it next runs.
 inline void record(Launch& L, const std::string& what) {
     if (!L.failed) L.error = what;
     L.failed = true;
-    L.cta_cv.notify_all();
-    L.end_cv.notify_all();
-    for (auto& w : L.warps) w->cv.notify_all();
 }
 
 [[noreturn]] inline void fail(Launch& L, const std::string& what) {
@@ -173,26 +191,55 @@ inline void record(Launch& L, const std::string& what) {
     throw Abort{};
 }
 
-// Waits on `cv` until `done()`, the launch fails (Abort) or the watchdog expires (a failure).
+// The CUDA thread's registers: what the kernel reads as threadIdx and blockIdx.
+inline void enter(Launch& L, int t) {
+    thread_id = t;
+    threadIdx = uint3{(unsigned)t, 0, 0};
+    blockIdx = uint3{(unsigned)L.fibers[t].block, 0, 0};
+}
+
+// The next fiber in turn after `t` that has not finished, or -1 when none has.
+inline int next_live(Launch& L, int t) {
+    for (int k = 1; k <= L.threads; ++k) {
+        const int n = (t + k) % L.threads;
+        if (!L.fibers[n].done) return n;
+    }
+    return -1;
+}
+
+// Lets every other unfinished fiber run once, each until it waits or exits.
+inline void yield(Launch& L) {
+    const int me = L.running, n = next_live(L, me);
+    if (n == me) return;
+    L.running = n;
+    switch_to(L.fibers[me], L.fibers[n], false, false);
+    enter(L, me);
+}
+
+// Waits until `done()`, or unwinds (Abort) when the launch fails or no thread of the CTA can go on.
 template <class Done>
-void wait(Launch& L, std::unique_lock<std::mutex>& lk, std::condition_variable& cv, Done done, const char* at,
-          int line) {
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(L.watchdog_s);
+void wait(Launch& L, Done done, const char* at, int line) {
+    uint64_t seen = L.progress;
     while (true) {
+        yield(L);
         if (L.failed) throw Abort{};
-        if (done()) return;
-        if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !done() && !L.failed) {
+        if (done()) {
+            ++L.progress;
+            return;
+        }
+        if (L.progress == seen) {
             std::ostringstream s;
-            s << "watchdog: " << where() << " waited " << L.watchdog_s << " s at " << at << " (line " << line
-              << "): a barrier that not every thread reaches";
+            s << "deadlock: " << where() << " waits at " << at << " (line " << line
+              << ") and no thread of its CTA can go on: a barrier that not every thread reaches";
             fail(L, s.str());
         }
+        seen = L.progress;
     }
 }
 
 inline void syncthreads(int line) {
     Launch& L = *current;
-    std::unique_lock<std::mutex> lk(L.mu);
+    Quiet quiet;
     if (L.failed) throw Abort{};
     if (L.exited > 0) {
         std::ostringstream s;
@@ -207,22 +254,24 @@ inline void syncthreads(int line) {
         fail(L, s.str());
     }
     const uint64_t gen = L.gen;
+    release(&L.cta_sync[gen & 1u]);
+    ++L.progress;
     if (++L.arrived == L.threads) {
         L.arrived = 0;
         ++L.gen;
-        L.cta_cv.notify_all();
-        return;
+    } else {
+        wait(L, [&] { return L.gen != gen; }, "__syncthreads", line);
     }
-    wait(L, lk, L.cta_cv, [&] { return L.gen != gen; }, "__syncthreads", line);
+    acquire(&L.cta_sync[gen & 1u]);
 }
 
 template <class T>
 T shfl_xor(int line, unsigned mask, T var, int lane_mask, int width = kWarp) {
     static_assert(sizeof(T) <= 8, "shuffles of up to 8 bytes");
     Launch& L = *current;
+    Quiet quiet;
     Warp& w = *L.warps[thread_id / kWarp];
     const int lane = thread_id % kWarp;
-    std::unique_lock<std::mutex> lk(L.mu);
     if (L.failed) throw Abort{};
     const unsigned whole = w.size == kWarp ? 0xFFFFFFFFu : (1u << w.size) - 1u;
     if (mask != whole) {
@@ -250,13 +299,15 @@ T shfl_xor(int line, unsigned mask, T var, int lane_mask, int width = kWarp) {
     uint64_t bits = 0;
     std::memcpy(&bits, &var, sizeof(T));
     w.slot[parity][lane] = bits;
+    release(&w.sync[parity]);
+    ++L.progress;
     if (++w.arrived == w.size) {
         w.arrived = 0;
         ++w.gen;
-        w.cv.notify_all();
     } else {
-        wait(L, lk, w.cv, [&] { return w.gen != gen; }, "__shfl_xor_sync", line);
+        wait(L, [&] { return w.gen != gen; }, "__shfl_xor_sync", line);
     }
+    acquire(&w.sync[parity]);
     const int src = lane ^ lane_mask;
     if (src >= w.size || src / width > lane / width) return var;  // CUDA: a later group gives the lane its own value
     T out;
@@ -277,11 +328,12 @@ __attribute__((no_sanitize("address"))) inline void poison_shared() {
     for (volatile char* p = __start_q8sim_shared; p < __stop_q8sim_shared; ++p) *p = (char)0xFF;
 }
 
-// The exit of a thread from the kernel body; the caller holds L.mu.
+// The exit of a thread from the kernel body.
 inline void thread_exited(Launch& L) {
     Warp& w = *L.warps[thread_id / kWarp];
     ++L.exited;
     ++w.exited;
+    ++L.progress;
     if (L.arrived > 0 && !L.failed) {
         std::ostringstream s;
         s << where() << " exited while " << L.arrived << " thread(s) of its CTA wait at __syncthreads line "
@@ -296,42 +348,108 @@ inline void thread_exited(Launch& L) {
     }
 }
 
-inline void worker(Launch& L, int t, const std::function<void()>& body) {
-    current = &L;
-    thread_id = t;
-    threadIdx = uint3{(unsigned)t, 0, 0};
-    blockDim = dim3((unsigned)L.threads);
-    gridDim = dim3((unsigned)L.grid);
+// One CUDA thread's work: the kernel body once per CTA, and the harness's barrier at each CTA's end.
+inline void run_ctas(Launch& L, int t) {
     for (int64_t b = 0; b < L.grid; ++b) {
-        blockIdx = uint3{(unsigned)b, 0, 0};
+        {
+            Quiet quiet;
+            L.fibers[t].block = b;
+            enter(L, t);
+        }
         try {
-            body();
+            (*L.body)();
         } catch (const Abort&) {
         } catch (const std::exception& e) {
-            std::lock_guard<std::mutex> g(L.mu);
+            Quiet quiet;
             record(L, where() + ": " + e.what());
         }
-        std::unique_lock<std::mutex> lk(L.mu);
+        Quiet quiet;
         thread_exited(L);
-        if (L.failed) break;
+        if (L.failed) return;
         const uint64_t gen = L.end_gen;
+        release(&L.end_sync[gen & 1u]);
+        ++L.progress;
         if (++L.at_end == L.threads) {  // the CTA is done: reset its barriers, poison its shared memory
             L.at_end = L.arrived = L.exited = 0;
             for (auto& w : L.warps) w->arrived = w->exited = 0;
             poison_shared();
             ++L.end_gen;
-            L.end_cv.notify_all();
         } else {
             try {
-                wait(L, lk, L.end_cv, [&] { return L.end_gen != gen; }, "the end of its CTA", 0);
+                wait(L, [&] { return L.end_gen != gen; }, "the end of its CTA", 0);
             } catch (const Abort&) {
-                break;
+                return;
             }
         }
+        acquire(&L.end_sync[gen & 1u]);
     }
-    std::lock_guard<std::mutex> g(L.mu);
-    ++L.finished;
-    L.finished_cv.notify_all();
+}
+
+// A fiber's entry (makecontext): the CUDA thread's work, then the OS thread to the next fiber, or back to
+// main after the last.
+inline void fiber_main() {
+#if defined(__SANITIZE_ADDRESS__)
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+    Launch* launch;
+    int t;
+    {
+        Quiet quiet;
+        launch = current;
+        t = launch->running;
+    }
+    Launch& L = *launch;
+    acquire(&L.start_sync);  // the launch as its thread set it up (a fiber kept from an earlier launch knew none of it)
+    run_ctas(L, t);
+    Fiber *me, *to;
+    {
+        Quiet quiet;  // ended before the switch: ThreadSanitizer refuses a fiber that ends inside one
+        L.fibers[t].done = true;
+        const int n = next_live(L, t);
+        L.running = n;
+        me = &L.fibers[t], to = n < 0 ? &L.main : &L.fibers[n];
+        release(&L.exit_sync);
+    }
+    switch_to(*me, *to, to == &L.main, true);
+    std::abort();  // a finished fiber is never switched to
+}
+
+// Runs the launch's fibers on this OS thread, from the first to the last one's exit.
+inline void run_fibers(Launch& L) {
+    current = &L;
+    blockDim = dim3((unsigned)L.threads);
+    gridDim = dim3((unsigned)L.grid);
+    pthread_attr_t attr;  // this thread's own stack, for AddressSanitizer's switch notes
+    void* bottom = nullptr;
+    pthread_getattr_np(pthread_self(), &attr);
+    pthread_attr_getstack(&attr, &bottom, &L.main.size);
+    pthread_attr_destroy(&attr);
+    L.main.stack = static_cast<char*>(bottom);
+#if defined(__SANITIZE_THREAD__)
+    L.main.tsan = __tsan_get_current_fiber();
+#endif
+    L.fibers.resize(L.threads);
+    for (Fiber& f : L.fibers) {
+        const FiberStore store = take_store();
+        f.stack = store.stack, f.tsan = store.tsan;
+        f.size = kFiberStack;
+#if defined(__SANITIZE_ADDRESS__)
+        __asan_unpoison_memory_region(f.stack, f.size);  // what an earlier fiber's frames left poisoned
+#endif
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = f.stack;
+        f.ctx.uc_stack.ss_size = f.size;
+        f.ctx.uc_link = nullptr;
+        makecontext(&f.ctx, fiber_main, 0);
+        // no stack in the saved context: AddressSanitizer's swapcontext then leaves the fiber's shadow alone
+        f.ctx.uc_stack.ss_sp = nullptr;
+        f.ctx.uc_stack.ss_size = 0;
+    }
+    L.running = 0;
+    release(&L.start_sync);
+    switch_to(L.main, L.fibers[0], true, false);
+    acquire(&L.exit_sync);  // what every CUDA thread wrote, before the launch returns
+    for (const Fiber& f : L.fibers) give_store(FiberStore{f.stack, f.tsan});
 }
 
 // The planted bug a test's copy of the .cu activates (Q8_SIM_BUG(n) there; see test_cuda_sim.py).
@@ -360,7 +478,8 @@ void launch(const char* name, int64_t grid, int64_t threads, size_t smem, Body&&
     TORCH_CHECK(smem <= kSimSharedPerCta, "cuda_sim: launch of ", name, " with ", smem, " bytes of dynamic shared "
                 "memory, more than a CTA can have");
     dynamic_buffer.assign((smem + sizeof(uint4) - 1) / sizeof(uint4), uint4{});
-    Launch L;
+    auto owned = std::make_unique<Launch>();  // on the heap: ThreadSanitizer forgets its sync objects when freed
+    Launch& L = *owned;
     L.name = name;
     L.grid = grid;
     L.threads = (int)threads;
@@ -371,21 +490,25 @@ void launch(const char* name, int64_t grid, int64_t threads, size_t smem, Body&&
     }
     poison_shared();
     const std::function<void()> fn = body;
-    std::vector<std::thread> pool;
-    pool.reserve(L.threads);
-    for (int t = 0; t < L.threads; ++t) pool.emplace_back(worker, std::ref(L), t, std::cref(fn));
+    L.body = &fn;
+    std::thread runner([&L] {
+        run_fibers(L);
+        std::lock_guard<std::mutex> g(L.mu);
+        L.finished = true;
+        L.finished_cv.notify_all();
+    });
     {
         std::unique_lock<std::mutex> lk(L.mu);
         const auto limit = std::chrono::duration<double>(2 * L.watchdog_s + 10.0);
-        if (!L.finished_cv.wait_for(lk, limit, [&] { return L.finished == L.threads; })) {
-            // a thread that never waits (an endless loop) cannot be unwound: say so and stop the process
-            std::fprintf(stderr, "cuda_sim: %s: %d of %d threads still running %.0f s after the launch (%s)\n", name,
-                         L.threads - L.finished, L.threads, limit.count(), L.failed ? L.error.c_str() : "no error");
+        if (!L.finished_cv.wait_for(lk, limit, [&] { return L.finished; })) {
+            // a thread that never waits (an endless loop) holds the OS thread: say so and stop the process
+            std::fprintf(stderr, "cuda_sim: %s: still running %.0f s after the launch: a CUDA thread that never "
+                         "reaches a barrier or its end\n", name, limit.count());
             std::fflush(stderr);
             std::_Exit(3);
         }
     }
-    for (auto& t : pool) t.join();
+    runner.join();
     {
         std::lock_guard<std::mutex> g(stats_mu);
         ++stat_launches;

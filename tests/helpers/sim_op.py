@@ -50,7 +50,7 @@ def _digest(paths) -> str:
 
 
 def _sim_files():
-    return [os.path.join(SIM, n) for n in ("cuda_sim.h", "kernels.cpp", "binding.cpp")] + [
+    return [os.path.join(SIM, n) for n in ("cuda_sim.h", "fibers.h", "kernels.cpp", "binding.cpp")] + [
         os.path.join(SIM, "include", "c10", "cuda", n) for n in ("CUDAGuard.h", "CUDAStream.h")]
 
 
