@@ -1,6 +1,6 @@
 """The CUDA op's device code executed on the CPU: its binding, launchers and kernels
 (``q8_cuda_kernels.cu``, unmodified) compiled with g++ over the harness of ``tests/cuda_sim``, one
-OS thread per CUDA thread. Every result is compared bit for bit with the pure-PyTorch reference.
+fiber per CUDA thread. Every result is compared bit for bit with the pure-PyTorch reference.
 
 The module runs in three builds: plain (here), ThreadSanitizer and AddressSanitizer with UBSan
 (``test_sanitized_builds_are_clean`` runs this file again in a process with the sanitizer's
