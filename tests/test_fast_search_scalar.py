@@ -46,11 +46,22 @@ def test_every_float_in_unit_range_matches_the_table(cpu_op, name):
     lookup = cpu_op.build_lookup(code)
     block, per = 4096, 4095
     top = 0x3F800000  # the bits of 1.0: every non-negative float up to it
-    chunk = per * 4096
+    rows = 4096
+    chunk = per * rows
+    words = torch.empty(rows, block, dtype=torch.int32)  # what _with_unit_absmax builds, written in place
     for sign in (0, -(1 << 31)):
         for first in range(0, top + 1, chunk):
-            bits = torch.arange(first, min(first + chunk, top + 1), dtype=torch.int64) + sign
-            x = _with_unit_absmax(bits.to(torch.int32).view(torch.float32), block)
+            count = min(chunk, top + 1 - first)
+            flat = torch.arange(first + sign, first + sign + count, dtype=torch.int32)
+            full, rest = divmod(count, per)
+            words[:, 0] = top  # 1.0 first in every block, then the floats, zeros after the last
+            body = words[:, 1:]
+            if count < chunk:
+                body.zero_()
+            body[:full].copy_(flat[:full * per].view(full, per))
+            if rest:
+                body[full, :rest].copy_(flat[full * per:])
+            x = words.view(torch.float32).reshape(-1)
             fast, absmax = cpu_op.quantize("scalar", x, code, lookup, block)
             table, _ = cpu_op.quantize("avx2", x, code, lookup, block)
             assert torch.equal(absmax, torch.ones_like(absmax))
