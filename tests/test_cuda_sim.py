@@ -2,16 +2,19 @@
 (``q8_cuda_kernels.cu``, unmodified) compiled with g++ over the harness of ``tests/cuda_sim``, one
 fiber per CUDA thread. Every result is compared bit for bit with the pure-PyTorch reference.
 
-The module runs in three builds: plain (here), ThreadSanitizer and AddressSanitizer with UBSan
-(``test_sanitized_builds_are_clean`` runs this file again in a process with the sanitizer's
-runtime; ``Q8_SIM_BUILD`` says which build a process uses). ``test_planted_bugs_are_reported``
-plants known bugs in a copy of the ``.cu`` and checks that each is reported.
+The module runs in three builds: plain (here, the shipped ``.cu`` unmodified), ThreadSanitizer and
+AddressSanitizer with UBSan (``test_sanitized_builds_are_clean`` runs this file again in a process with
+the sanitizer's runtime; ``Q8_SIM_BUILD`` says which build a process uses).
+``test_planted_bugs_are_reported`` plants known bugs, each behind a switch, in a copy of the device code
+and checks that each is reported; the sanitized runs of the whole file use that copy with every switch
+off, so one build per sanitizer serves both.
 
 What this proves: the device code's arithmetic, indexing, tails, alignment paths, barriers and warp
 exchanges, and the host code that packs tensor lists, splits grids and passes the skip flag. What
 only a GPU can show: nvcc's code generation, the GPU memory model (races between CTAs, the
 order of global writes), and speed.
 """
+import functools
 import os
 
 import pytest
@@ -398,14 +401,23 @@ def _run_planted(build, bug, select):
                                      "Q8_SIM_WATCHDOG_S": "20"}, timeout=300)
 
 
-# two sanitized runs of a few tests: 12-80 s together on the 2-core machine (the build of the planted copy
-# included, the machine idle); each run's limit is 300 s, and the test's a little above both
-@pytest.mark.timeout(660)
+@functools.lru_cache(maxsize=None)
+def clean_run(build: str):
+    """This file's matrix in a process with the ``build``'s runtime, on the planted copy with no bug switched on:
+    the shipped device code but for the five switches, all off. One build per sanitizer then serves both this
+    run and the planted bugs, and this run is every planted bug's control (the copy passes without its bug)."""
+    return sim_op.run_sanitized(build, [__file__], env={"Q8_SIM_KERNELS": planted_copy()},
+                                timeout=600)  # the tests that start these runs skip in them
+
+
+# the first test of each build pays for its clean run (below: 600 s at most) and then one sanitized run of a
+# few tests (300 s at most)
+@pytest.mark.timeout(960)
 @pytest.mark.skipif(not PARENT, reason="runs from the plain build's process")
 @pytest.mark.parametrize("bug", list(PLANTED))
 def test_planted_bugs_are_reported(bug):
     build, what, _, _, select, report = PLANTED[bug]
-    control = _run_planted(build, 0, select)  # the copy with no bug active passes the same tests
+    control = clean_run(build)  # the copy with no bug active passes every test, the selected ones among them
     assert control.returncode == 0, f"the planted copy without its bug fails:\n{control.stdout[-3000:]}" \
                                     f"\n{control.stderr[-3000:]}"
     run = _run_planted(build, bug, select)
@@ -426,7 +438,7 @@ SANITIZER_REPORTS = ("ThreadSanitizer", "AddressSanitizer", "runtime error:", "L
 @pytest.mark.parametrize("build", ["tsan", "asan"])
 def test_sanitized_builds_are_clean(build):
     """This file's matrix again, in a process with the build's runtime: every test passes, no report."""
-    run = sim_op.run_sanitized(build, [__file__], timeout=600)  # the tests of this one skip there
+    run = clean_run(build)
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"the {build} build failed (rc {run.returncode}):\n{out[-6000:]}"
     found = [r for r in SANITIZER_REPORTS if r in out]
