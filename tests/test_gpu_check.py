@@ -19,6 +19,7 @@ import gpu_check  # noqa: E402
 import kernel_compare  # noqa: E402
 import ptxas_report  # noqa: E402
 
+from helpers.ds_launch import extensions_root  # noqa: E402
 from helpers.gpu_cases import BLOCK_SIZES, HUGE, sizes_for  # noqa: E402
 
 
@@ -78,7 +79,9 @@ def test_gpu_less_run_stops_at_the_gpu_with_one_line(tmp_path):
 
 
 def test_dry_run_lists_every_stage_and_writes_the_plans(tmp_path):
-    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path))
+    # the plan's collection imports test modules, one of which loads ds_q8's CPU op: from the suite's builds,
+    # not built again in the checkout's .ext_cache/ (60 s here)
+    env = dict(os.environ, DRY_RUN="1", OUT=str(tmp_path), TORCH_EXTENSIONS_DIR=extensions_root())
     out = subprocess.run(["bash", os.path.join(ROOT, "launch", "gpu_check.sh")], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -16,7 +16,7 @@ from helpers.train import CONFIGS, LAUNCH
 import gpu_train  # launch/ is on sys.path through helpers.train
 import gpu_train_row
 
-from helpers.ds_launch import free_port
+from helpers.ds_launch import extensions_root, free_port
 
 
 def stage(out, *args, dry_run=False, extra_env=None, timeout=120):
@@ -126,9 +126,7 @@ def test_stage_runs_on_the_cpu_with_a_tiny_model(tmp_path):
     rows = ["deepspeed-adam", "8bit-bf16", "bnb-8bit"]
     # the builds (ds_q8's CPU op, DeepSpeed's CPU FusedAdam and shared-memory comm: 110-160 s each here, cold) land
     # where this suite's other tests build theirs, not in the checkout's .ext_cache/ that the GPU machine uses
-    from torch.utils.cpp_extension import _get_build_directory
-
-    builds = os.path.normpath(_get_build_directory("", verbose=False))  # torch's root of JIT builds
+    builds = extensions_root()
     run = stage(tmp_path, "--cpu", "--model", "tiny", "--vocab_size", "256", "--context", "64", "--micro_batch", "4",
                 "--warmup", "2", "--steps", "3", "--rows", ",".join(rows), "--master_port", free_port(),
                 "--budget_s", "800", "--row_limit_s", "300", extra_env=dict(TORCH_EXTENSIONS_DIR=builds), timeout=850)

@@ -13,6 +13,15 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "tests" / "ds_scripts"
 
 
+def extensions_root() -> str:
+    """Torch's root of JIT builds for this process (TORCH_EXTENSIONS_DIR or its default). A launch script run
+    under it (the GPU machine's scripts build into the checkout's .ext_cache/ otherwise) finds the builds that
+    the suite's other tests made, instead of compiling them again."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return os.path.normpath(_get_build_directory("", verbose=False))
+
+
 def free_port() -> int:
     """A port no one listens on: any the system offers, or one of ``DS_Q8_TEST_PORTS`` ("31000-31999") where
     set, for a machine whose other jobs own the rest."""
