@@ -19,7 +19,8 @@ Optimizers:
   ds_q8[:K+K]  ds_q8.AdamW8bitBlock (block 64, tensors under 4096 elements keep 32-bit state), with
                changes K:  nearest  state_rounding="nearest" (every state rounded to nearest)
                            srv      state_rounding="stochastic_unsigned" (first moments to nearest,
-                                    second moments stochastically: the earlier default)
+                                    second moments stochastically)
+                           R        any other state_rounding R by its name (stochastic, guided, ...)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
                            4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)
@@ -143,11 +144,14 @@ def check_optimizer_name(name: str) -> None:
     for change in changes:
         if change in valid[base] or (base != "bnb" and jitter_draw((change,)) is not None):
             continue
+        if base == "ds_q8" and change in state_roundings():
+            continue
         if base in ("ds_q8", "sim") and change.startswith("bs") and change[2:].isdigit():
             from ds_q8 import functional as F
             F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
             continue
-        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitter[K]",) if base != "bnb" else ())
+        more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitter[K]",) if base != "bnb" else ()) + \
+            (state_roundings() if base == "ds_q8" else ())
         raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
                          f"{', '.join(valid[base] + more) or 'none'}")
 
@@ -173,6 +177,19 @@ def jitter(model, draw: int) -> None:
     gen = torch.Generator().manual_seed(10_000 + draw)
     for p in model.parameters():
         p.mul_(1 + JITTER * torch.randn(p.shape, generator=gen))
+
+
+def state_roundings() -> tuple:
+    from ds_q8.optim.group_options import STATE_ROUNDINGS
+
+    return STATE_ROUNDINGS
+
+
+def state_rounding_of(changes) -> Optional[str]:
+    """The ``state_rounding`` that ``changes`` name (``nearest``, ``srv`` or a name of its own), or None."""
+    if "srv" in changes:
+        return "stochastic_unsigned"
+    return next((c for c in changes if c in state_roundings()), None)
 
 
 def block_size_of(changes, default: int) -> int:
@@ -278,9 +295,10 @@ def make_optimizer(name: str, model, lr: float, seed: int):
             for p in embeddings:
                 setattr(p, OPTIM_BITS_ATTR, 32)
         masters = next((BF16_MASTERS[c] for c in changes if c in BF16_MASTERS), {})
+        rounding = state_rounding_of(changes)
+        if rounding is not None:
+            masters["state_rounding"] = rounding
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
-                                    state_rounding=("nearest" if "nearest" in changes else "stochastic_unsigned"
-                                                    if "srv" in changes else "stochastic"),
                                     optim_bits=32 if "fp32" in changes else 4 if "4bit" in changes else 8,
                                     **masters)
     return SimAdamW8bit(params, lr, changes, seed, fp32_params=embeddings if "emb32" in changes else ())

@@ -18,7 +18,9 @@ zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse code
     python launch/fidelity.py --optimizers lion8 lamb8 ademamix8 muon8  # the family against their 32-bit twins
 
 Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
-defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
+defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``ds_q8:R`` for a
+``state_rounding`` R (``ds_q8:nearest``, ``ds_q8:stochastic``, ...), ``ds_q8:ref`` (``impl="reference"``),
+``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
 ``lamb8``, ``ademamix8`` and ``muon8`` compare Lion8bitBlock, LAMB8bitBlock, AdEMAMix8bitBlock and
 Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
 ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
@@ -26,6 +28,9 @@ Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the 
 names the variants), ``torchao4``/``torchao8`` torchao's AdamW4bit/AdamW8bit (when torchao is installed):
 
     python launch/fidelity.py --optimizers torchao4 q4 "q4:m=lin0,vb64,n:v=log5h,b64f,n"
+
+``--weight-decay 0.1 --decay matrices`` decays the weight matrices only (GPT-2's usual setting), ``--warmup W``
+raises the learning rate linearly over the first W steps (``lr * (step + 1) / W``).
 """
 from __future__ import annotations
 
@@ -71,6 +76,12 @@ def build(arch: str, width: int, layers: int, context: int, seed: int) -> torch.
     raise ValueError(f"--arch must be gpt2 or neox, got {arch!r}")
 
 
+def state_roundings() -> Tuple[str, ...]:
+    from ds_q8.optim.group_options import STATE_ROUNDINGS
+
+    return STATE_ROUNDINGS
+
+
 def split(name: str) -> Tuple[str, Dict[str, int]]:
     if name.startswith("q4"):
         return "q4", dict(spec=lowbit_sim.parse(name))
@@ -82,8 +93,15 @@ def split(name: str) -> Tuple[str, Dict[str, int]]:
         if c == "4bit" and base == "ds_q8":
             options["optim_bits"] = 4
             continue
+        if c in state_roundings() and base != "bnb":
+            options["state_rounding"] = c
+            continue
+        if c == "ref" and base != "bnb":
+            options["impl"] = "reference"
+            continue
         if not c.startswith("bs") or not c[2:].isdigit():
-            raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N; ds_q8:4bit optim_bits=4)")
+            raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N; ds_q8:4bit optim_bits=4; "
+                             f"a state_rounding of {state_roundings()}; ref: impl='reference')")
         options["block_size"] = int(c[2:])
     if base not in ("torch", "ds_q8", "bnb") + tuple(FAMILY):
         raise ValueError(f"optimizer {name!r}: must be torch, ds_q8, bnb, {', '.join(FAMILY)} (with :bsN)")
@@ -114,12 +132,37 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
     return lambda ps: cls(ps, lr=lr, weight_decay=weight_decay, **options)
 
 
-def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: int):
-    """The model after ``steps`` steps, its initial weights and the optimizer."""
+#: which parameters ``weight_decay`` applies to: all of them, or the weight matrices only (``p.dim() >= 2``)
+DECAY = ("all", "matrices")
+
+
+def param_groups(model, weight_decay: float, decay: str = "all"):
+    """The optimizer's parameters (each optimizer's ``weight_decay`` applies to all), or two groups: the
+    matrices decayed and the rest (biases, norms, gains) not."""
+    if decay == "all":
+        return list(model.parameters())
+    if decay != "matrices":
+        raise ValueError(f"decay must be one of {DECAY}, got {decay!r}")
+    params = list(model.parameters())
+    return [dict(params=[p for p in params if p.dim() >= 2], weight_decay=weight_decay),
+            dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0)]
+
+
+def lr_at(step: int, lr: float, warmup: int) -> float:
+    """Linear warm-up over the first ``warmup`` steps, then ``lr``."""
+    return lr * (step + 1) / warmup if step < warmup else lr
+
+
+def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: int, weight_decay: float = 0.01,
+          decay: str = "all", warmup: int = 0, lr: Optional[float] = None):
+    """The model after ``steps`` steps, its initial weights and the optimizer (``lr`` is needed for ``warmup``)."""
     model = model_fn()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = make_opt(model.parameters())
+    opt = make_opt(param_groups(model, weight_decay, decay))
     for step in range(steps):
+        if warmup:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, lr, warmup)
         x, y = gpt_data.get_batch(text, batch, context, seed, 0, step)
         loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, VOCAB), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
@@ -161,9 +204,11 @@ def compare(ref, ref_init, ours) -> List[dict]:
 
 
 def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 25, lr: float = 6e-4,
-        weight_decay: float = 0.01, batch: int = 16, context: int = 64, seed: int = 0, text=None) -> List[dict]:
-    """One row per optimizer: its lowest per-matrix cosine (and which matrix), the norm ratios' range and
-    the first moments lost, against torch's AdamW (or the class's own 32-bit twin for the family)."""
+        weight_decay: float = 0.01, batch: int = 16, context: int = 64, seed: int = 0, text=None,
+        decay: str = "all", warmup: int = 0) -> List[dict]:
+    """One row per optimizer: its lowest and median per-matrix cosine (and the lowest's matrix), the norm
+    ratios' range and the first moments lost, against torch's AdamW (or the class's own 32-bit twin for
+    the family)."""
     if text is None:
         text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
     model_fn = lambda: build(arch, width, layers, context, seed)  # noqa: E731
@@ -174,17 +219,22 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
         ref_name = base + "@32" if base in FAMILY else "torch"
         if ref_name not in refs:
             make_ref = make("torch", lr, weight_decay) if ref_name == "torch" else make(base, lr, weight_decay, 32)
-            refs[ref_name] = train(model_fn, make_ref, text, steps, batch, context, seed)
+            refs[ref_name] = train(model_fn, make_ref, text, steps, batch, context, seed, weight_decay, decay, warmup, lr)
         ref, ref_init, ref_opt = refs[ref_name]
         if name == "torch":
             continue
         t0 = time.time()
-        model, _, opt = train(model_fn, make(name, lr, weight_decay), text, steps, batch, context, seed)
+        model, _, opt = train(model_fn, make(name, lr, weight_decay), text, steps, batch, context, seed, weight_decay,
+                              decay, warmup, lr)
         per = compare(ref, ref_init, model)
         lost = lost_first_moments(ref_opt, ref, opt, model) if ref_name == "torch" else {}
         worst = min(per, key=lambda r: r["cosine"])
+        cosines = sorted(r["cosine"] for r in per)
         rows.append(dict(arch=arch, width=width, layers=layers, optimizer=name, reference=ref_name,
+                         steps=steps, lr=lr, weight_decay=weight_decay, decay=decay, warmup=warmup,
                          min_cosine=worst["cosine"], worst_matrix=worst["matrix"],
+                         median_cosine=cosines[len(cosines) // 2] if len(cosines) % 2 else
+                         0.5 * (cosines[len(cosines) // 2 - 1] + cosines[len(cosines) // 2]),
                          norm_ratio_lo=min(r["norm_ratio"] for r in per), norm_ratio_hi=max(r["norm_ratio"] for r in per),
                          m_lost=sum(lost.values()) if lost else None, per_matrix=per, lost_per_matrix=lost,
                          seconds=round(time.time() - t0, 1)))
@@ -193,13 +243,15 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
 
 
 def table(rows: List[dict]) -> str:
-    head = ["model", "optimizer", "against", "lowest cosine (matrix)", "norm ratio range", "first moments lost"]
-    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---:|---:|---:|"]
+    head = ["model", "optimizer", "against", "lowest cosine (matrix)", "median cosine", "norm ratio range",
+            "first moments lost"]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         short = r["worst_matrix"].replace("transformer.", "").replace("gpt_neox.layers.", "layers.")
         lost = "" if r["m_lost"] is None else str(r["m_lost"])
         lines.append(f"| {r['arch']} {r['width']} ({r['layers']}) | {r['optimizer']} | {r['reference']} | "
-                     f"{r['min_cosine']:.4f} (`{short}`) | {r['norm_ratio_lo']:.3f} - {r['norm_ratio_hi']:.3f} | {lost} |")
+                     f"{r['min_cosine']:.5f} (`{short}`) | {r['median_cosine']:.5f} | "
+                     f"{r['norm_ratio_lo']:.4f} - {r['norm_ratio_hi']:.4f} | {lost} |")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +263,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--optimizers", nargs="+", default=["ds_q8", "ds_q8:bs2048", "bnb"])
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--lr", type=float, default=6e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.01)
+    ap.add_argument("--decay", default="all", choices=DECAY, help="the parameters weight decay applies to")
+    ap.add_argument("--warmup", type=int, default=0, help="steps of linear warm-up (0: none)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
@@ -222,6 +277,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             split(name)
         except ValueError as e:
             ap.error(str(e))
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
+    if args.weight_decay < 0:
+        ap.error(f"--weight-decay must be >= 0, got {args.weight_decay}")
     for key in ("steps", "batch", "context", "threads"):
         if getattr(args, key) < 1:
             ap.error(f"--{key} must be >= 1, got {getattr(args, key)}")
@@ -239,10 +298,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     rows = []
     for width in args.widths:
         layers = args.layers or LAYERS.get(width, 2)
-        rows += run(args.arch, width, layers, names, args.steps, args.lr, 0.01, args.batch, args.context, args.seed, text)
+        rows += run(args.arch, width, layers, names, args.steps, args.lr, args.weight_decay, args.batch, args.context,
+                    args.seed, text, args.decay, args.warmup)
         print(table([r for r in rows if r["width"] == width]), flush=True)
-    header = (f"{args.arch}, byte vocabulary, the standard library's source, AdamW lr {args.lr:g}, betas 0.9/0.999, "
-              f"weight decay 0.01, {args.steps} steps of batch {args.batch} x context {args.context}, seed {args.seed}; "
+    decayed = "the weight matrices" if args.decay == "matrices" else "every parameter"
+    warm = f"{args.warmup} steps of linear warm-up" if args.warmup else "no warm-up"
+    header = (f"{args.arch}, byte vocabulary, the standard library's source, AdamW lr {args.lr:g} ({warm}), betas 0.9/0.999, "
+              f"weight decay {args.weight_decay:g} on {decayed}, {args.steps} steps of batch {args.batch} x context {args.context}, seed {args.seed}; "
               "per weight matrix the update's cosine and norm ratio against the reference's.\n\n")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "fidelity.md"), "w") as f:
