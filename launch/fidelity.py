@@ -19,7 +19,8 @@ zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse code
 
 Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
 defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``ds_q8:R`` for a
-``state_rounding`` R (``ds_q8:nearest``, ``ds_q8:stochastic``, ...), ``ds_q8:ref`` (``impl="reference"``),
+``state_rounding`` R (``ds_q8:nearest``, ``ds_q8:stochastic``, ...), ``ds_q8:Q`` for a ``quantization`` Q
+(``ds_q8:dynamic6``), ``ds_q8:ref`` (``impl="reference"``),
 ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
 ``lamb8``, ``ademamix8`` and ``muon8`` compare Lion8bitBlock, LAMB8bitBlock, AdEMAMix8bitBlock and
 Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
@@ -82,6 +83,12 @@ def state_roundings() -> Tuple[str, ...]:
     return STATE_ROUNDINGS
 
 
+def quantizations() -> Tuple[str, ...]:
+    from ds_q8.optim.group_options import QUANTIZATIONS
+
+    return QUANTIZATIONS
+
+
 def split(name: str) -> Tuple[str, Dict[str, int]]:
     if name.startswith("q4"):
         return "q4", dict(spec=lowbit_sim.parse(name))
@@ -96,12 +103,16 @@ def split(name: str) -> Tuple[str, Dict[str, int]]:
         if c in state_roundings() and base != "bnb":
             options["state_rounding"] = c
             continue
+        if c in quantizations() and base != "bnb":
+            options["quantization"] = c
+            continue
         if c == "ref" and base != "bnb":
             options["impl"] = "reference"
             continue
         if not c.startswith("bs") or not c[2:].isdigit():
             raise ValueError(f"optimizer {name!r}: unknown change {c!r} (bsN sets block_size=N; ds_q8:4bit optim_bits=4; "
-                             f"a state_rounding of {state_roundings()}; ref: impl='reference')")
+                             f"a state_rounding of {state_roundings()}; a quantization of {quantizations()}; "
+                             f"ref: impl='reference')")
         options["block_size"] = int(c[2:])
     if base not in ("torch", "ds_q8", "bnb") + tuple(FAMILY):
         raise ValueError(f"optimizer {name!r}: must be torch, ds_q8, bnb, {', '.join(FAMILY)} (with :bsN)")

@@ -127,7 +127,7 @@ def test_every_block_size_and_tail(sim, rule, block_size):
 
 
 @pytest.mark.parametrize("options", [dict(state_rounding="nearest", stochastic_rounding=False),
-                                     dict(stochastic_rounding=True, sr_seed=7)])
+                                     dict(stochastic_rounding=True, sr_seed=7), dict(quantization="dynamic6")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rounding_choices(sim, dtype, options):
     kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, steps=3, **options)

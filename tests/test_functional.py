@@ -40,6 +40,43 @@ def test_dynamic_map_shape_of_values():
     assert float(unsigned[1]) < float(signed[signed > 0].min())
 
 
+def test_dynamic6_map_is_the_tree_over_six_decades():
+    m = F.create_dynamic6_map()
+    assert m.dtype == torch.float32 and m.shape == (256,)
+    assert bool((m[1:] > m[:-1]).all()), "map must be strictly increasing"
+    assert float(m[127]) == 0.0 and float(m[255]) == 1.0
+    assert torch.equal(m[:127], -m[128:255].flip(0)), "negative entries mirror the positive ones (1.0 has none)"
+    # decade d holds the midpoints of DYNAMIC6_COUNTS[d] + 1 evenly spaced points in [0.1, 1], times 10^-d
+    ref = [1.0]
+    for d, k in enumerate(F.DYNAMIC6_COUNTS):
+        edges = np.linspace(0.1, 1.0, k + 1)
+        ref += list((edges[:-1] + edges[1:]) / 2 * 10.0 ** -d)
+    np.testing.assert_allclose(m[m > 0].double().numpy(), np.sort(ref), rtol=1e-6, atol=0)
+    assert sum(F.DYNAMIC6_COUNTS) == 127 and F.DYNAMIC6_COUNTS[0] > 64  # finer than the dynamic map's top decade
+    # "dynamic6" changes the signed map only: second moments keep the dynamic map
+    assert torch.equal(F.state_map("dynamic6", False, "cpu"), F.create_dynamic_map(False))
+    assert torch.equal(F.state_map("dynamic6", True, "cpu"), m)
+
+
+def test_tree_map_builds_the_dynamic_maps():
+    for bits in (4, 8):
+        top = 2 ** (bits - 2)
+        assert torch.equal(F.tree_map([top >> d for d in range(bits - 1)], True), F.create_dynamic_map(True, bits))
+        assert torch.equal(F.tree_map([2 * top >> d for d in range(bits - 1)], False), F.create_dynamic_map(False, bits))
+    with pytest.raises(ValueError, match="counts must be integers >= 1"):
+        F.tree_map([64, 0])
+
+
+def test_map_study_builds_the_library_maps():
+    from helpers.train import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
+    import map_study
+
+    assert torch.equal(map_study.signed_map([64, 32, 16, 8, 4, 2, 1]), F.create_dynamic_map(True))
+    assert torch.equal(map_study.signed_map(list(F.DYNAMIC6_COUNTS)), F.create_dynamic6_map())
+    with pytest.raises(ValueError, match="127 positive entries"):
+        map_study.signed_map([64, 32])
+
+
 def test_map_is_returned_as_a_copy():
     a = F.create_dynamic_map()
     a.zero_()

@@ -170,13 +170,13 @@ def test_sparse_gradients_are_refused():
         opt.step()
 
 
-def make_trained(name, steps, bits=8, dtype=torch.float32, seed=3):
+def make_trained(name, steps, bits=8, dtype=torch.float32, seed=3, **options):
     ours_cls, _, kw = CASES[name]
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(100, 80), nn.ReLU(), nn.Linear(80, 10)).to(dtype)
     opt = ours_cls([{"params": [model[0].weight, model[2].weight]},
                     {"params": [model[0].bias, model[2].bias], "optim_bits": 32, "weight_decay": 0.0}],
-                   min_8bit_size=500, block_size=256, optim_bits=bits, **kw)
+                   min_8bit_size=500, block_size=256, optim_bits=bits, **kw, **options)
     return model, opt
 
 
@@ -220,6 +220,26 @@ def test_state_dict_roundtrip_continues_bit_identically(name, dtype):
     assert losses_a == losses_b
     for a, b in zip(final_a, model_b.parameters()):
         assert torch.equal(a, b.detach())
+
+
+def test_a_checkpoint_keeps_its_map():
+    """Codes mean something only with their map: a checkpoint of a "dynamic6" run continues bit for bit in
+    an optimizer built with "dynamic6", and an optimizer on the default map refuses it, naming the field."""
+    model, opt = make_trained("adamw", 0, quantization="dynamic6")
+    for s in range(4):
+        one_step(model, opt, s)
+    ck = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
+    losses_a = [one_step(model, opt, s) for s in range(4, 8)]
+    model_b, opt_b = make_trained("adamw", 0, seed=99, quantization="dynamic6")
+    model_b.load_state_dict(ck["model"])
+    opt_b.load_state_dict(ck["opt"])
+    assert [one_step(model_b, opt_b, s) for s in range(4, 8)] == losses_a
+    model_c, opt_c = make_trained("adamw", 0)
+    with pytest.raises(ValueError, match="quantization='dynamic6', this optimizer uses quantization='dynamic'"):
+        opt_c.load_state_dict(ck["opt"])
+    for s in range(4):  # the same run on the dynamic map takes other codes
+        one_step(model_c, opt_c, s)
+    assert not torch.equal(opt_c.state[model_c[0].weight]["state1"], ck["opt"]["state"][0]["state1"])
 
 
 def test_loading_a_mismatched_checkpoint_is_refused_and_changes_nothing():

@@ -170,7 +170,7 @@ def _edge_values(code: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-@pytest.mark.parametrize("quantization", ["dynamic", "linear"])
+@pytest.mark.parametrize("quantization", ["dynamic", "dynamic6", "linear"])
 def test_stochastic_state_rounding_kernels_match_the_reference_at_the_maps_edges(isa, quantization):
     """Adam with betas (0, 0) stores m = g and v = g^2; a block maximum of 1 makes the scaled values g
     and g^2 themselves, so the first moment lands on the signed map's entries, midpoints and their

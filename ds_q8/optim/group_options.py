@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for t
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
                quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
                correction_byte=False, impl="auto", nonfinite="skip")
-QUANTIZATIONS = ("dynamic", "linear")
+QUANTIZATIONS = ("dynamic", "dynamic6", "linear")
 #: how the states are requantized after each step: every state stochastically, only the unsigned ones
 #: (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
 STATE_ROUNDINGS = ("stochastic", "stochastic_unsigned", "nearest")
