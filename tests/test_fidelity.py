@@ -59,6 +59,33 @@ def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers)
         assert rows["ds_q8:bs2048"]["min_cosine"] < COSINE_BOUND
 
 
+#: the longer horizon, as GPT-2 is trained: 25 steps of batch 16, lr 6e-4, weight decay 0.1 on the matrices
+#: only, with and without a 10-step linear warm-up; per case the optimizers and their bounds. The bounds sit
+#: below what each measures on an AMD EPYC (docs/results.md, "Requantization over 25 steps, and a map for
+#: the first moment"): the default (both moments rounded stochastically) and quantization="dynamic6". The
+#: lowest cosine is where a rounding rule's noise and a map's coarseness show; the 8-step check above is
+#: too short to see them.
+HORIZON_STEPS, HORIZON_BATCH, HORIZON_DECAY = 25, 16, 0.1
+HORIZON = [(768, 4, 0, {"ds_q8": 0.9988, "ds_q8:dynamic6:nearest": 0.9995}),
+           (768, 4, 10, {"ds_q8": 0.9975}),
+           (1600, 2, 0, {"ds_q8": 0.9990})]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width,layers,warmup,bounds", HORIZON)
+def test_every_weight_matrix_updates_like_torch_adamw_over_25_steps(text, width, layers, warmup, bounds):
+    torch.set_num_threads(2)
+    rows = fidelity.run("gpt2", width, layers, list(bounds), HORIZON_STEPS, LR, HORIZON_DECAY, HORIZON_BATCH, CONTEXT,
+                        text=text, decay="matrices", warmup=warmup)
+    for ours in rows:
+        report = (f"{ours['optimizer']}: lowest {ours['min_cosine']:.5f} ({ours['worst_matrix']}), "
+                  f"median {ours['median_cosine']:.5f}")
+        print(report)
+        assert ours["min_cosine"] >= bounds[ours["optimizer"]], report
+        assert 1 - NORM_BOUND <= ours["norm_ratio_lo"] and ours["norm_ratio_hi"] <= 1 + NORM_BOUND, report
+        assert ours["m_lost"] == 0, ours["lost_per_matrix"]
+
+
 @pytest.mark.slow
 def test_no_second_moment_with_a_gradient_history_is_stored_as_zero(text):
     torch.set_num_threads(2)
