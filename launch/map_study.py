@@ -5,7 +5,8 @@ source, batch 16, context 64, lr 6e-4, weight decay 0.1 on the matrices), keeps 
 moments at a few steps, and then, for each candidate map, codes the first moment block-wise (64, to
 nearest or stochastically, with ``ds_q8.functional``, the reference the kernels equal) while the second
 moment stays fp32. Per step it prints the worst and the median matrix's ``1 - cosine`` between the bias-
-corrected update ``m / (sqrt(v) + eps)`` with the coded first moment and the one without, times 1e4.
+corrected update ``m / (sqrt(v) + eps)`` with the coded first moment and the one without, times 1e4. A
+last row codes the second moment instead (on the unsigned dynamic map), the first kept fp32.
 
 A candidate is its positive entries per decade, top decade first, summing to 127: ``64_32_16_8_4_2_1`` is
 the dynamic tree map (``quantization="dynamic"``), ``72_32_14_6_2_1`` is ``"dynamic6"`` (decade ``d``
@@ -64,14 +65,19 @@ def coded(x: torch.Tensor, code: torch.Tensor, stochastic: bool, gen: torch.Gene
     return F.dequantize_flat(F.quantize_with_absmax(flat, absmax, code, block, bits), absmax, code, block).view(x.shape)
 
 
-def update_errors(states: Dict[str, Tuple], step: int, code: torch.Tensor, stochastic: bool) -> Tuple[float, float]:
-    """Worst and median matrix's 1 - cosine of the update with the first moment coded."""
+def update_errors(states: Dict[str, Tuple], step: int, code: torch.Tensor, stochastic: bool,
+                  second: bool = False) -> Tuple[float, float]:
+    """Worst and median matrix's 1 - cosine of the update with the first moment coded (``second``: the
+    second moment instead, on ``code``)."""
     gen = torch.Generator().manual_seed(step)
     c1, c2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
     errs = []
     for m, v in states.values():
-        den = (v / c2).sqrt() + EPS
-        u, uq = (m / c1) / den, (coded(m, code, stochastic, gen) / c1) / den
+        u = (m / c1) / ((v / c2).sqrt() + EPS)
+        if second:
+            uq = (m / c1) / ((coded(v, code, stochastic, gen) / c2).sqrt() + EPS)
+        else:
+            uq = (coded(m, code, stochastic, gen) / c1) / ((v / c2).sqrt() + EPS)
         errs.append(1 - float(torch.nn.functional.cosine_similarity(uq.reshape(-1), u.reshape(-1), dim=0)))
     errs.sort()
     return errs[-1], errs[len(errs) // 2]
@@ -92,9 +98,11 @@ def main(argv: List[str] = None) -> int:
           f"worst / median matrix")
     print("| map | rounding | " + " | ".join(f"step {t}" for t in args.steps) + " |")
     print("|---|---|" + "---:|" * len(args.steps))
-    for name, code in maps.items():
+    rows = [(name, code, False) for name, code in maps.items()]
+    rows.append(("second moment, dynamic", F.create_dynamic_map(False), True))
+    for name, code, second in rows:
         for stochastic in (False, True):
-            cells = [update_errors(data[t], t, code, stochastic) for t in args.steps]
+            cells = [update_errors(data[t], t, code, stochastic, second) for t in args.steps]
             print(f"| {name} | {'stochastic' if stochastic else 'nearest'} | "
                   + " | ".join(f"{w * 1e4:.2f} / {md * 1e4:.2f}" for w, md in cells) + " |", flush=True)
     return 0
