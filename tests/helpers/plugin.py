@@ -44,8 +44,8 @@ def _gpu() -> bool:
 #: the modules whose tests take longest (minutes each, the sanitizer runs first), run first: under
 #: ``pytest -n N --dist loadfile`` (make test) a worker takes a module whole, in collection order, so the
 #: long ones start at once and the many short ones fill the other workers instead of trailing behind
-FIRST_MODULES = ("test_cuda_sim.py", "test_zero_invariance.py", "test_cuda_build.py", "test_deepspeed_checkpoint.py",
-                 "test_multinode.py", "test_fast_search_scalar.py")
+FIRST_MODULES = ("test_cuda_sim.py", "test_zero_invariance.py", "test_fidelity.py", "test_cuda_build.py",
+                 "test_deepspeed_checkpoint.py", "test_multinode.py", "test_fast_search_scalar.py")
 
 
 def _module_rank(item) -> int:
