@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Tuple
@@ -165,8 +166,10 @@ def lr_at(step: int, lr: float, warmup: int) -> float:
 
 
 def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: int, weight_decay: float = 0.01,
-          decay: str = "all", warmup: int = 0, lr: Optional[float] = None):
-    """The model after ``steps`` steps, its initial weights and the optimizer (``lr`` is needed for ``warmup``)."""
+          decay: str = "all", warmup: int = 0, lr: Optional[float] = None,
+          after_step: Optional[Callable] = None):
+    """The model after ``steps`` steps, its initial weights and the optimizer (``lr`` is needed for ``warmup``);
+    ``after_step(step, model, opt)`` is called after each step (``step`` counts from 1)."""
     model = model_fn()
     init = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = make_opt(param_groups(model, weight_decay, decay))
@@ -179,6 +182,8 @@ def train(model_fn, make_opt, text, steps: int, batch: int, context: int, seed: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if after_step is not None:
+            after_step(step + 1, model, opt)
     return model, init, opt
 
 
@@ -240,12 +245,10 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
         per = compare(ref, ref_init, model)
         lost = lost_first_moments(ref_opt, ref, opt, model) if ref_name == "torch" else {}
         worst = min(per, key=lambda r: r["cosine"])
-        cosines = sorted(r["cosine"] for r in per)
         rows.append(dict(arch=arch, width=width, layers=layers, optimizer=name, reference=ref_name,
                          steps=steps, lr=lr, weight_decay=weight_decay, decay=decay, warmup=warmup,
                          min_cosine=worst["cosine"], worst_matrix=worst["matrix"],
-                         median_cosine=cosines[len(cosines) // 2] if len(cosines) % 2 else
-                         0.5 * (cosines[len(cosines) // 2 - 1] + cosines[len(cosines) // 2]),
+                         median_cosine=statistics.median(r["cosine"] for r in per),
                          norm_ratio_lo=min(r["norm_ratio"] for r in per), norm_ratio_hi=max(r["norm_ratio"] for r in per),
                          m_lost=sum(lost.values()) if lost else None, per_matrix=per, lost_per_matrix=lost,
                          seconds=round(time.time() - t0, 1)))

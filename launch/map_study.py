@@ -43,18 +43,15 @@ def signed_map(counts: Sequence[int]) -> torch.Tensor:
 def moments(width: int, layers: int, keep: Sequence[int], seed: int = 0) -> Dict[int, Dict[str, Tuple]]:
     """{step: {matrix: (m, v)}} of torch's AdamW in the fidelity setting."""
     text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
-    model = fidelity.build("gpt2", width, layers, 64, seed)
-    opt = torch.optim.AdamW(fidelity.param_groups(model, 0.1, "matrices"), lr=6e-4, foreach=False)
     out = {}
-    for step in range(max(keep)):
-        x, y = gpt_data.get_batch(text, 16, 64, seed, 0, step)
-        loss = torch.nn.functional.cross_entropy(model(x).logits.reshape(-1, fidelity.VOCAB), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step + 1 in keep:
-            out[step + 1] = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
-                             for n, p in model.named_parameters() if p.dim() >= 2}
+
+    def keep_moments(step, model, opt):
+        if step in keep:
+            out[step] = {n: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                         for n, p in model.named_parameters() if p.dim() >= 2}
+
+    fidelity.train(lambda: fidelity.build("gpt2", width, layers, 64, seed), fidelity.make("torch", 6e-4, 0.1), text,
+                   max(keep), 16, 64, seed, 0.1, "matrices", after_step=keep_moments)
     return out
 
 

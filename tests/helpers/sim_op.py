@@ -55,9 +55,9 @@ def _sim_files():
 
 
 def build_dir() -> str:
-    from torch.utils.cpp_extension import _get_build_directory
+    from helpers.ds_launch import extensions_root
 
-    return os.path.dirname(_get_build_directory("ds_q8_cuda_sim", verbose=False))
+    return extensions_root()
 
 
 def device_sources(folder: str):
