@@ -93,7 +93,12 @@ def test_optimizer_steps_stay_finite(x, which, bs, steps, seed):
     st_ = opt.state[p]
     if not st_:
         return
-    assert torch.isfinite(p.detach().float()).all()
+    # SGD's step scales with the gradient: from a 16-bit weight near its dtype's largest value it carries the
+    # weight past it, to inf, as torch.optim.SGD does (-65440 in fp16, gradient 43279: -inf in both); the
+    # states below must stay finite all the same
+    near_max = x.numel() and float(x.float().abs().max()) > 0.5 * float(torch.finfo(x.dtype).max)
+    if not (kw.get("momentum") and x.dtype != torch.float32 and near_max):
+        assert torch.isfinite(p.detach().float()).all()
     for key, value in st_.items():
         if torch.is_tensor(value) and value.dtype != torch.uint8:
             assert torch.isfinite(value).all(), key
