@@ -64,9 +64,9 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
                 _SKIPPED.add(name)
                 print(f"skipped {name}: {' '.join(str(exc).split())[:160]}")
 
-    def ds_q8_kernel(nonfinite, engine_norm=False, state_rounding="stochastic"):
+    def ds_q8_kernel(nonfinite, engine_norm=False, **options):
         opt = ds_q8.AdamW8bitBlock(_param(n, device, 0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel",
-                                   state_rounding=state_rounding)
+                                   **options)
         if engine_norm:  # what the DeepSpeed integration hands over when the engine clips gradients
             norm = torch.ones((), device=device)
             opt.grad_norm_source = lambda: norm
@@ -78,7 +78,10 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     add("ds_q8 AdamW8bitBlock (kernel, check answered by the clip norm)", BYTES_8BIT,
         lambda: ds_q8_kernel("skip", engine_norm=True))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
-    # the cost of requantizing the second moment stochastically (the default) instead of to nearest
+    # the default (guided requantization on the dynamic6 map) against the default before it (every
+    # state stochastically, on the dynamic map) and against every state to nearest
+    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, the previous default: dynamic, stochastic)", BYTES_8BIT,
+        lambda: ds_q8_kernel("off", quantization="dynamic", state_rounding="stochastic"))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, state_rounding=nearest)", BYTES_8BIT,
         lambda: ds_q8_kernel("off", state_rounding="nearest"))
     add("ds_q8 AdamW8bitBlock, optim_bits=4 (kernel)", BYTES_4BIT,

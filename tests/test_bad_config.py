@@ -42,7 +42,7 @@ INVALID = {
     "stochastic_rounding": [("yes", "stochastic_rounding must be true, false or null"),
                             (1, "stochastic_rounding must be true, false or null")],
     "correction_byte": [("yes", "correction_byte must be true or false"), (1, "correction_byte must be true or false")],
-    "state_rounding": [("up", "state_rounding must be one of ('stochastic', 'stochastic_unsigned', 'nearest')"),
+    "state_rounding": [("up", "state_rounding must be one of ('guided', 'stochastic', 'stochastic_unsigned', 'nearest')"),
                        (None, "state_rounding must be one of")],
     "impl": [("cuda", "impl must be one of ('auto', 'kernel', 'reference')"), (None, "impl must be one of")],
     "sr_seed": [(-1, "sr_seed must be an integer in [0, 4294967295]"), (2 ** 32, "sr_seed must be an integer"),

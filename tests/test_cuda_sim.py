@@ -26,7 +26,7 @@ from ds_q8 import ops
 
 
 from helpers import sim_op
-from helpers.compare import assert_same_bits, assert_same_param, reference_step
+from helpers.compare import assert_same_bits, assert_same_param, extreme_gradients, reference_step
 from helpers.optimizer_cases import kernel_cases
 
 #: the device code under test: the shipped .cu, or (planted-bug runs) the copy Q8_SIM_KERNELS names
@@ -68,9 +68,10 @@ def launches(sim):
     return sim_op.stat(sim, "launches")
 
 
-def run_pair(sim, cls, kw, sizes, dtype, grad_dtype=None, block_size=256, steps=3, seed=0, **options):
+def run_pair(sim, cls, kw, sizes, dtype, grad_dtype=None, block_size=256, steps=3, seed=0, grads=None, **options):
     """One optimizer over params of ``sizes`` stepped through the harness, one through the reference;
-    returns (params, optimizer) of both. Each step's gradients span three decades."""
+    returns (params, optimizer) of both. Each step's gradients span three decades (or are ``grads[s]``,
+    given for one param)."""
     gen = torch.Generator().manual_seed(seed)
     p0 = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     pk = [torch.nn.Parameter(x.clone()) for x in p0]
@@ -86,7 +87,9 @@ def run_pair(sim, cls, kw, sizes, dtype, grad_dtype=None, block_size=256, steps=
     for s in range(steps):
         for i, (a, b) in enumerate(zip(pk, pr)):
             g = torch.randn(a.numel(), generator=gen) * 10.0 ** ((s + i) % 3 - 1)
-            if a.numel() > block_size and s == 1:
+            if grads is not None:
+                g = grads[s].clone()
+            elif a.numel() > block_size and s == 1:
                 g[:block_size] = 0  # a block whose state decays towards zero
             g = g.to(grad_dtype or dtype)
             a.grad, b.grad = g.clone(), g.clone()
@@ -127,11 +130,23 @@ def test_every_block_size_and_tail(sim, rule, block_size):
 
 
 @pytest.mark.parametrize("options", [dict(state_rounding="nearest", stochastic_rounding=False),
-                                     dict(stochastic_rounding=True, sr_seed=7), dict(quantization="dynamic6")])
+                                     dict(stochastic_rounding=True, sr_seed=7), dict(quantization="dynamic6"),
+                                     dict(state_rounding="stochastic"), dict(state_rounding="guided"),
+                                     dict(state_rounding="guided", quantization="linear"),
+                                     dict(state_rounding="guided", quantization="dynamic")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rounding_choices(sim, dtype, options):
     kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, steps=3, **options)
     assert_same(kernel, reference, str(options))
+
+
+@pytest.mark.parametrize("state_rounding", ["guided", "stochastic", "nearest"])
+def test_non_finite_blocks(sim, state_rounding):
+    """test_kernels' extreme gradients (NaN and Inf in one block: the exact path) with nonfinite="off"."""
+    grads = extreme_gradients()
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, [grads[0].numel()], torch.float32, block_size=64,
+                                 grads=grads, state_rounding=state_rounding, nonfinite="off")
+    assert_same(kernel, reference, state_rounding)
 
 
 @pytest.mark.parametrize("states", ["8-bit", "fp32"])

@@ -20,7 +20,8 @@ from ds_q8 import ops
 from ds_q8.optim import rules
 from ds_q8.op_builder import Q8CPUBuilder
 
-from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
+from helpers.compare import (DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run,
+                             extreme_gradients, run_both)
 from helpers.isa import ISAS, isa  # noqa: F401 (isa is a fixture)
 
 
@@ -61,7 +62,7 @@ def test_step_fp32_grads_for_low_precision_params(isa, dtype):
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("rule", ["adamw", "momentum", "rmsprop_momentum", "lion"])
 @pytest.mark.parametrize("quantization", ["linear", "dynamic6"])
-@pytest.mark.parametrize("state_rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("state_rounding", ["guided", "stochastic", "nearest"])
 def test_step_other_maps(isa, rule, quantization, state_rounding):
     cls, kw = RULES[rule]
     kernel, reference = run_both(cls, dict(kw, state_rounding=state_rounding), 700, torch.float32, steps=3,
@@ -70,22 +71,15 @@ def test_step_other_maps(isa, rule, quantization, state_rounding):
 
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
-def test_step_extreme_gradients(isa):
-    """Tiny, huge, zero and subnormal gradients; an all-zero block; NaN and Inf in one block."""
-    n, bs = 6 * 64, 64
-    g = torch.randn(n)
-    g[0:64] = 0.0
-    g[64:128] *= 1e-30
-    g[128:192] = torch.tensor([1e-40, -1e-42, 3e38, -3e38] * 16)
-    g[192:256] *= 1e20
-    g[256] = float("nan")
-    g[257] = float("inf")
-    g[320:384] = -0.0
-    grads = [g, g * 0.5, torch.randn(n)]
+@pytest.mark.parametrize("state_rounding", ["guided", "stochastic", "nearest"])
+def test_step_extreme_gradients(isa, state_rounding):
+    """extreme_gradients(), each way of requantizing: non-finite blocks take the exact path."""
+    grads = extreme_gradients()
     for cls, kw in (RULES["adam"], RULES["momentum"]):
+        kw = {**kw, "state_rounding": state_rounding}
         if "nonfinite" in inspect.signature(cls).parameters:
             kw = {**kw, "nonfinite": "off"}  # let NaN/Inf reach the kernels instead of skipping the step
-        kernel, reference = run_both(cls, kw, n, torch.float32, steps=3, block_size=bs, grads=grads)
+        kernel, reference = run_both(cls, kw, grads[0].numel(), torch.float32, steps=3, block_size=64, grads=grads)
         assert_same_run(kernel, reference)
 
 

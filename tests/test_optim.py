@@ -223,21 +223,22 @@ def test_state_dict_roundtrip_continues_bit_identically(name, dtype):
 
 
 def test_a_checkpoint_keeps_its_map():
-    """Codes mean something only with their map: a checkpoint of a "dynamic6" run continues bit for bit in
-    an optimizer built with "dynamic6", and an optimizer on the default map refuses it, naming the field."""
-    model, opt = make_trained("adamw", 0, quantization="dynamic6")
+    """Codes mean something only with their map: a checkpoint of a "dynamic" run (the default map before
+    "dynamic6") continues bit for bit in an optimizer built with "dynamic", and an optimizer on the default
+    map refuses it, naming the field."""
+    model, opt = make_trained("adamw", 0, quantization="dynamic")
     for s in range(4):
         one_step(model, opt, s)
     ck = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
     losses_a = [one_step(model, opt, s) for s in range(4, 8)]
-    model_b, opt_b = make_trained("adamw", 0, seed=99, quantization="dynamic6")
+    model_b, opt_b = make_trained("adamw", 0, seed=99, quantization="dynamic")
     model_b.load_state_dict(ck["model"])
     opt_b.load_state_dict(ck["opt"])
     assert [one_step(model_b, opt_b, s) for s in range(4, 8)] == losses_a
     model_c, opt_c = make_trained("adamw", 0)
-    with pytest.raises(ValueError, match="quantization='dynamic6', this optimizer uses quantization='dynamic'"):
+    with pytest.raises(ValueError, match="quantization='dynamic', this optimizer uses quantization='dynamic6'"):
         opt_c.load_state_dict(ck["opt"])
-    for s in range(4):  # the same run on the dynamic map takes other codes
+    for s in range(4):  # the same run on the dynamic6 map takes other codes
         one_step(model_c, opt_c, s)
     assert not torch.equal(opt_c.state[model_c[0].weight]["state1"], ck["opt"]["state"][0]["state1"])
 

@@ -1,10 +1,12 @@
-"""Stochastic requantization of the states (every state by default, the unsigned ones only or none on
-request): right on average, the same bits in every kernel as in the reference, and parameter writes
-untouched by it.
+"""Requantization of the states: guided for signed states and stochastic for unsigned ones by default
+(``state_rounding="guided"``), every state stochastically, the unsigned ones only, or none on request;
+right on average where it must be, the same bits in every kernel as in the reference, and parameter
+writes untouched by it.
 
 Rounded to nearest, an exponential average that moves by less than half a code per step loses the
 move: Adam's second moment (beta2 = 0.999, 0.1% per step) then lags its fp32 value, and the steps grow;
-its first moment lags a gradient that grows by a few percent a step.
+its first moment lags a gradient that grows by a few percent a step. Guided rounding keeps the nearer
+entry only where it moves the value the way its update does, and rounds stochastically elsewhere.
 """
 import math
 
@@ -64,20 +66,25 @@ def test_stochastic_quantization_keeps_entries_zeros_and_the_zero_point():
 
 
 def _average_against_fp32(signed: bool, beta: float, inputs) -> dict:
-    """An exponential average of ``inputs`` (one tensor a step, its element 0 the block maximum, held
-    still) kept in one 2048-element block, rounded to nearest and stochastically: each one's mean ratio
-    to the fp32 average over the other elements."""
+    """An exponential average of ``inputs`` (one tensor a step, its element 0 the block maximum's input,
+    held still) kept in one 2048-element block, requantized each way (guided by the update, and guided
+    by the old code): each one's mean ratio to the fp32 average over the other elements."""
     n = bs = 2048
     code = F.create_dynamic_map(signed)
     avg32 = torch.zeros(n)
-    stored = {"nearest": torch.zeros(n), "stochastic": torch.zeros(n)}
+    stored = {kind: torch.zeros(n) for kind in ("nearest", "stochastic", "guided", "guided_code")}
+    old = F.quantize_scaled(torch.zeros(n), code).long()  # the codes of the state before each step
     for t, x in enumerate(inputs):
         avg32 = beta * avg32 + (1 - beta) * x
         for kind in stored:
             a = beta * stored[kind] + (1 - beta) * x
             am = F.block_absmax(a, bs)
-            bits = _bits(rounding.step_key(0, t + 1), n) if kind == "stochastic" else None
-            stored[kind] = F.dequantize_flat(F.quantize_with_absmax(a, am, code, bs, bits), am, code, bs)
+            bits = _bits(rounding.step_key(0, t + 1), n) if kind != "nearest" else None
+            prev = stored[kind] if kind == "guided" else None
+            q = F.quantize_with_absmax(a, am, code, bs, bits, prev=prev, old=old if kind == "guided_code" else None)
+            if kind == "guided_code":
+                old = q.long()
+            stored[kind] = F.dequantize_flat(q, am, code, bs)
     return {kind: float((a / avg32)[1:].mean()) for kind, a in stored.items()}
 
 
@@ -86,34 +93,50 @@ def _held_maximum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def test_second_moment_tracks_its_fp32_value_only_when_rounded_stochastically():
-    """A slowly growing gradient scale in a block whose maximum stays put: v's increments are below
-    half a code per step. To nearest they are lost; stochastically v follows its fp32 value."""
+@pytest.mark.parametrize("growth", [1.0, -0.5])
+def test_second_moment_tracks_its_fp32_value_unless_rounded_to_nearest(growth):
+    """A slowly growing (or shrinking) gradient scale in a block whose maximum moves slowly: v's
+    increments are below half a code per step. To nearest they are lost; stochastically v follows its
+    fp32 value, and guided by its old code (the default for unsigned states) too. Guided by the update
+    (the signed states' rule) it does not (measured 0.62 growing): where the block's maximum moves,
+    the old value lies between the new entries, and the nearer entry is kept whenever it lies on the
+    update's side."""
     steps, g_scale = 300, torch.linspace(0.05, 0.3, 2048)
-    ratio = _average_against_fp32(False, 0.999, (_held_maximum((g_scale * (1 + t / steps)) ** 2)
+    ratio = _average_against_fp32(False, 0.999, (_held_maximum((g_scale * (1 + growth * t / steps)) ** 2)
                                                   for t in range(steps)))
     assert abs(ratio["stochastic"] - 1.0) < 0.02, ratio
+    assert abs(ratio["guided_code"] - 1.0) < 0.02, ratio
     assert abs(ratio["nearest"] - 1.0) > 0.1, ratio  # the bias the stochastic rounding removes
+    if growth > 0:
+        assert abs(ratio["guided"] - 1.0) > 0.1, ratio  # why unsigned states are guided by the old code
 
 
-def test_first_moment_follows_a_growing_gradient_only_when_rounded_stochastically():
-    """A gradient that grows by 2% a step, as the weights that leave a plateau see theirs grow, in a
-    block whose maximum stays put: with beta1 = 0.9 the first moment's increments stay below half a
-    code. To nearest it stalls behind its fp32 value (those weights leave the plateau later);
-    stochastically it follows it."""
+@pytest.mark.parametrize("growth", [1.02, 0.98])
+def test_first_moment_follows_a_changing_gradient_unless_rounded_to_nearest(growth):
+    """A gradient that grows (or shrinks) by 2% a step, as the weights that leave a plateau see theirs
+    grow, in a block whose maximum stays put: with beta1 = 0.9 the first moment's increments stay below
+    half a code. To nearest it stalls behind its fp32 value (measured 0.96 growing, 1.46 shrinking:
+    those weights leave the plateau later); stochastically it follows it (0.998, 0.999), and guided
+    (the default) too, a little ahead of it rather than behind (1.019, 0.990)."""
     g0 = torch.linspace(0.01, 0.2, 2048) * torch.where(torch.arange(2048) % 2 == 0, 1.0, -1.0)
-    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * 1.02 ** t) for t in range(60)))
+    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * growth ** t) for t in range(60)))
     assert abs(ratio["stochastic"] - 1.0) < 0.01, ratio
     assert abs(ratio["nearest"] - 1.0) > 0.03, ratio  # the lag the stochastic rounding removes
+    assert abs(ratio["guided"] - 1.0) < 0.025, ratio
+    assert (ratio["guided"] - 1.0) * (growth - 1.0) > 0, ratio  # ahead of the fp32 value, never stalled
 
 
-def test_every_state_is_rounded_stochastically_unless_the_group_asks_otherwise():
+def test_states_are_guided_by_their_update_or_old_code_unless_the_group_asks_otherwise():
+    """The default: signed states guided by their update (2), unsigned ones by their old code (3)."""
     p = torch.nn.Parameter(torch.zeros(8))
     for cls, kw in ((ds_q8.AdamW8bitBlock, {}), (ds_q8.RMSprop8bitBlock, dict(momentum=0.9)),
-                    (ds_q8.Momentum8bitBlock, dict(momentum=0.9)), (ds_q8.Lion8bitBlock, {})):
+                    (ds_q8.Momentum8bitBlock, dict(momentum=0.9)), (ds_q8.Lion8bitBlock, {}),
+                    (ds_q8.Adagrad8bitBlock, {}), (ds_q8.AdEMAMix8bitBlock, {})):
         opt = cls([p], **kw)
         signed = opt.rule_for(opt.param_groups[0]).state_signed
-        assert opt.stochastic_states(opt.param_groups[0]) == (True,) * len(signed)
+        assert opt.stochastic_states(opt.param_groups[0]) == tuple(2 if s else 3 for s in signed)
+        opt = cls([p], state_rounding="stochastic", **kw)
+        assert opt.stochastic_states(opt.param_groups[0]) == (1,) * len(signed)
         opt = cls([p], state_rounding="stochastic_unsigned", **kw)
         assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in signed)
         opt = cls([p], state_rounding="nearest", **kw)
@@ -133,7 +156,7 @@ def test_stochastic_state_rounding_kernels_match_the_reference(isa, rule, n, blo
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("choice", ["nearest", "stochastic_unsigned"])
+@pytest.mark.parametrize("choice", ["nearest", "stochastic_unsigned", "stochastic"])
 def test_other_state_roundings_kernels_match_the_reference(isa, dtype, choice):
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(state_rounding=choice), 3 * 256 + 7, dtype, steps=4,
                                  block_size=256)
@@ -208,3 +231,68 @@ def test_stochastic_state_rounding_kernels_match_the_reference_on_a_map_without_
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(betas=(0.0, 0.0), weight_decay=0.0), g.numel(),
                                  torch.float32, steps=3, block_size=256, grads=[g, g.flip(0), g])
     assert_same_run(kernel, reference)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_guided_rounding_keeps_the_nearer_entry_only_where_it_moves_with_the_update(signed):
+    """Each case of the rule, element by element against its statement (functional.py's module doc):
+    the nearer entry where it and the new value lie on the same side of the old one; the stochastic
+    code (the same random bits) where the nearer entry would stand still or step back; NaN to 255;
+    the unsigned map's zero point."""
+    code = F.create_dynamic_map(signed)
+    g = torch.Generator().manual_seed(5)
+    n = 4096
+    y = torch.rand(n, generator=g) ** 3 * (torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0) if signed else 1.0)
+    a = torch.full((n,), 0.37)
+    x = y * a  # what y * (1 / a) gives back closely; the rule reads x only through its side of prev
+    near = F.quantize_scaled(y, code).long()
+    # prev: the nearer entry's value nudged either way, or equal to it (a stall), or far on either side
+    kind = torch.randint(0, 5, (n,), generator=g)
+    moved = code[near] * a
+    prev = torch.where(kind == 0, moved, torch.where(kind == 1, moved * 0.999, torch.where(
+        kind == 2, moved * 1.001, torch.where(kind == 3, x - 0.5, x + 0.5))))
+    bits = _bits(99, n)
+    scale = 1.0 / a
+    got = F.quantize_scaled(x * scale, code, bits, guide=(x, prev, a)).long()
+    stochastic = F.quantize_scaled(x * scale, code, bits).long()
+    keep = (moved - prev) * (x - prev) > 0
+    assert bool(keep.any()) and bool((~keep).any())
+    assert torch.equal(got[~keep], stochastic[~keep])  # a stall (kind 0) or a step back: the stochastic code
+    nearest_again = F.quantize_scaled(x * scale, code).long()
+    assert torch.equal(got[keep], nearest_again[keep])
+    assert bool(((got - stochastic).abs() <= 1).all())
+    special = torch.tensor([float("nan"), 0.0, 1e-30])
+    q = F.quantize_scaled(special, code, _bits(1, 3), guide=(special, torch.zeros(3), torch.ones(3))).tolist()
+    assert q[0] == 255
+    if not signed:
+        assert q[1:] == [0, 1]  # an exact zero stays 0; a positive value takes at least code 1
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_rounding_guided_by_the_old_code_draws_only_where_the_value_stalls_near_it(signed):
+    """The unsigned states' default rule, against its statement: the stochastic code (the same random
+    bits) where the code before the step is one of the two entries around the value, the nearer entry
+    where the value moved past them; NaN to 255; the unsigned map's zero point."""
+    code = F.create_dynamic_map(signed)
+    g = torch.Generator().manual_seed(6)
+    n = 4096
+    y = torch.rand(n, generator=g) ** 3 * (torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0) if signed else 1.0)
+    near = F.quantize_scaled(y, code).long()
+    # the old code: the nearest one, its neighbours, or far away
+    shift = torch.randint(-3, 4, (n,), generator=g)
+    old = (near + shift).clamp(0, 255)
+    bits = _bits(7, n)
+    got = F.quantize_scaled(y, code, bits, old=old).long()
+    stochastic = F.quantize_scaled(y, code, bits).long()
+    up = y >= code[near]
+    lo = torch.where(up, near, (near - 1).clamp(min=0))
+    hi = torch.where(up, (near + 1).clamp(max=255), near)
+    draws = (old == lo) | (old == hi)
+    assert bool(draws.any()) and bool((~draws).any())
+    assert torch.equal(got[draws], stochastic[draws])
+    assert torch.equal(got[~draws], near[~draws])
+    special = torch.tensor([float("nan"), 0.0, 1e-30])
+    q = F.quantize_scaled(special, code, _bits(1, 3), old=torch.tensor([9, 9, 9])).tolist()
+    assert q[0] == 255
+    if not signed:
+        assert q[1:] == [0, 1]

@@ -20,12 +20,15 @@ if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for t
 #: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
 #: the others are each group's)
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
-               quantization="dynamic", stochastic_rounding=None, sr_seed=0, state_rounding="stochastic",
+               quantization="dynamic6", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
                correction_byte=False, impl="auto", nonfinite="skip")
 QUANTIZATIONS = ("dynamic", "dynamic6", "linear")
-#: how the states are requantized after each step: every state stochastically, only the unsigned ones
-#: (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
-STATE_ROUNDINGS = ("stochastic", "stochastic_unsigned", "nearest")
+#: how the states are requantized after each step: every state guided (to nearest unless that would
+#: stall or reverse its update, and there stochastically), every state stochastically, only the unsigned
+#: ones (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
+STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
+#: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h)
+ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED, ROUND_GUIDED_CODE = 0, 1, 2, 3
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
@@ -59,7 +62,7 @@ def check_common_group(group: dict) -> None:
         raise ValueError("correction_byte=true keeps what rounding to bf16 drops and writes bf16 parameters to "
                          "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
                          "null or false)")
-    if group.get("state_rounding", "stochastic") not in STATE_ROUNDINGS:
+    if group.get("state_rounding", OPTIONS["state_rounding"]) not in STATE_ROUNDINGS:
         raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how the states are requantized: every "
                          f"state right on average, only the second moments, or every state to the nearest code), "
                          f"got {group.get('state_rounding')!r}")
@@ -83,9 +86,9 @@ def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
     if rule.name not in FOUR_BIT_RULES:
         raise ValueError(f"optim_bits=4 stores Adam's two moments; {owner} runs the {rule.name!r} rule for this group: "
                          "use optim_bits 8 or 32 (4 bits is for Adam8bitBlock and AdamW8bitBlock)")
-    if group["quantization"] != "dynamic":
-        raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay 'dynamic', "
-                         f"got {group['quantization']!r}")
+    if group["quantization"] not in ("dynamic6", "dynamic"):
+        raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay a dynamic map "
+                         f"('dynamic6', the default, or 'dynamic'), got {group['quantization']!r}")
 
 
 def group_impl(group: dict) -> str:
@@ -119,22 +122,26 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
 
 
 def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
-    """Which states are requantized with stochastic rounding: every one by default
-    (``state_rounding="stochastic"``), the unsigned ones only (second moments, Adagrad's sum:
-    ``"stochastic_unsigned"``), or none (``"nearest"``).
+    """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
+    :data:`ROUND_GUIDED`; true where random bits are drawn): every state stochastically
+    (``state_rounding="stochastic"``), every state guided (``"guided"``), the unsigned ones only
+    stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none (``"nearest"``).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
     those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by
     half on a GPT-2 attention matrix after 300 steps, and the steps grow by as much as 1.6x. A first
     moment (beta1 = 0.9) lags a gradient that grows by less than about a third of itself a step, as
     the weights that leave a plateau see theirs do, so they leave it later. Rounded stochastically,
-    each is right on average."""
-    choice = group.get("state_rounding", "stochastic")
+    each is right on average, at the price of noise on every element at every step; guided rounding
+    draws only where nearest would stall or step back (``functional.py``'s module doc)."""
+    choice = group.get("state_rounding", OPTIONS["state_rounding"])
     if choice == "stochastic":
-        return (True,) * len(signed)
+        return (ROUND_STOCHASTIC,) * len(signed)
+    if choice == "guided":
+        return tuple(ROUND_GUIDED if s else ROUND_GUIDED_CODE for s in signed)
     if choice == "stochastic_unsigned":
-        return tuple(not s for s in signed)
-    return (False,) * len(signed)
+        return tuple(ROUND_NEAREST if s else ROUND_STOCHASTIC for s in signed)
+    return (ROUND_NEAREST,) * len(signed)
 
 
 def maps_of(rule: Rule, group: dict, device) -> List[torch.Tensor]:

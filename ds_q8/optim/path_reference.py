@@ -10,7 +10,7 @@ import torch
 from .. import functional as F
 from .. import ops
 from . import rounding, telemetry
-from .group_options import maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED, ROUND_GUIDED_CODE, maps_of, stochastic_params, stochastic_states
 from .pieces import Item8, Item32, Rounding
 from .rules import Rule
 from .state_keys import CHUNK
@@ -83,13 +83,14 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
 
     ``item.rounding`` is None or ``(key, index of p's first element in its parameter)``: the random
     bits of stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
-    :func:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error.
+    :func:`stochastic_states` names (guided ones also from their values before the update). ``error_sums`` (telemetry) takes the requantization error.
     ``codec`` (:func:`block_codec`) dequantizes and requantizes (to nearest) in the compiled kernels."""
     p, grad, codes, absmax, sr, corr = item
     bs = F.resolve_block_size(group["block_size"], p.numel())
     maps = maps_of(rule, group, p.device)
-    state_keys = [rounding.state_key(sr[0], i) if sr is not None and on else None
-                  for i, on in enumerate(stochastic_states(group, rule.state_signed))]
+    modes = stochastic_states(group, rule.state_signed)
+    drawn = [sr is not None and bool(mode) for mode in modes]
+    guided = [on and mode == ROUND_GUIDED for on, mode in zip(drawn, modes)]
     param_sr = sr if stochastic_params(group, p.dtype) else None
     n = p.numel()
     # a non-contiguous parameter (e.g. a transposed view) is stepped in a flat copy, written back below
@@ -106,16 +107,18 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
         g32 = gf[start:end].to(torch.float32)
         dequantize = F.dequantize_flat if codec is None else codec.dequantize
         states = [dequantize(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
+        prev = [s.clone() if on else None for s, on in zip(states, guided)]  # the update writes in place
         rule.update(p32, g32, states, h)
-        for c, a, m, s, key in zip(flat_codes, absmax, maps, states, state_keys):
-            if codec is not None and key is None:
+        for i, (c, a, m, s, before) in enumerate(zip(flat_codes, absmax, maps, states, prev)):
+            old = c[start:end].long() if drawn[i] and modes[i] == ROUND_GUIDED_CODE else None
+            if codec is not None and not drawn[i]:
                 c[start:end], a[b0:b1] = codec.quantize(s, m, bs)
                 continue
             new_absmax = F.block_absmax(s, bs)
             a[b0:b1] = new_absmax
-            bits = None if key is None else rounding.random_bits(
-                key, torch.arange(sr[1] + start, sr[1] + end, device=p.device))
-            c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits)
+            bits = None if not drawn[i] else rounding.random_bits(
+                rounding.state_key(sr[0], i), torch.arange(sr[1] + start, sr[1] + end, device=p.device))
+            c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits, prev=before, old=old)
         if error_sums is not None:
             for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
                 telemetry.add_error(error_sums, i, F.dequantize_flat(c[start:end], a[b0:b1], m, bs), s)

@@ -10,7 +10,7 @@ import torch
 
 from .. import functional as F
 from . import rounding
-from .group_options import correction_of, maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED, ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, stochastic_states
 from .path_reference import read_param
 from .pieces import TensorStep
 from .rules import Rule
@@ -29,6 +29,8 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     p32 = read_param(pf.index_select(0, elem), None if corr is None else corr.index_select(0, elem))
     states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
               * absmax[i].index_select(0, absmax_at).to(torch.float32).index_select(0, owner) for i in range(k)]
+    modes = stochastic_states(group, rule.state_signed)
+    prev = [s.clone() if keys is not None and mode == ROUND_GUIDED else None for s, mode in zip(states, modes)]
     rule.update(p32, gf.index_select(0, elem).to(torch.float32), states, h)
     element_keys = None  # each element's key is its parameter's
     pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
@@ -45,8 +47,8 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
         pf.index_copy_(0, elem, rounding.round_stochastic(p32, pf.dtype, piece_keys[owner], in_param))
     state_bits = [None] * k
     if element_keys is not None:
-        for i, on in enumerate(stochastic_states(group, rule.state_signed)):
-            if on:
+        for i, mode in enumerate(modes):
+            if mode:
                 per_piece = torch.tensor([rounding.state_key(key, i) for key in element_keys], dtype=torch.int64,
                                          device=device)
                 state_bits[i] = rounding.random_bits(per_piece[owner], in_param)
@@ -63,12 +65,15 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
         agreed = stored.to(torch.float32)
         scale = torch.where(agreed > 0, 1.0 / agreed, torch.zeros_like(agreed))
         for i in range(k):
+            a = agreed[i].index_select(0, owner)
+            guide = None if prev[i] is None else (states[i], prev[i], a)
+            old = codes[i].index_select(0, code_at).long() if modes[i] == ROUND_GUIDED_CODE else None
             q = F.quantize_scaled(states[i] * scale[i].index_select(0, owner), maps[i], state_bits[i],
-                                  _midpoints(maps[i]))
+                                  _midpoints(maps[i]), guide, old)
             codes[i].index_copy_(0, code_at, q)
             absmax[i].index_copy_(0, absmax_at, stored[i])
             if sums is not None:  # telemetry: each element's error goes to its piece's parameter
-                back = maps[i][q.long()] * agreed[i].index_select(0, owner)
+                back = maps[i][q.long()] * a
                 seg = segment_of[owner]
                 sums[:, i, 0].index_add_(0, seg, (back - states[i]).double().abs())
                 sums[:, i, 1].index_add_(0, seg, states[i].double().abs())

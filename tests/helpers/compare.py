@@ -97,3 +97,17 @@ def spy_calls(monkeypatch):
 
     monkeypatch.setattr(ops, "call", spy)
     return calls
+
+
+def extreme_gradients():
+    """Tiny, huge, zero and subnormal gradients; an all-zero block; NaN and Inf in one block."""
+    n = 6 * 64
+    g = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    g[0:64] = 0.0
+    g[64:128] *= 1e-30
+    g[128:192] = torch.tensor([1e-40, -1e-42, 3e38, -3e38] * 16)
+    g[192:256] *= 1e20
+    g[256] = float("nan")
+    g[257] = float("inf")
+    g[320:384] = -0.0
+    return [g, g * 0.5, torch.randn(n)]

@@ -121,10 +121,12 @@ struct Avx2 : PerVectorBlocks<Avx2> {
     }
 
     static V absmax_init() { return _mm256_setzero_ps(); }
+    // The running max of |x| as integers: the bits of non-negative floats order as their values, with
+    // every NaN above infinity, so a NaN stays (absmax_reduce then gives NaN). Lanes >= cnt count as 0.
     static V absmax_step(V acc, V x, int cnt) {
-        __m256 a = _mm256_and_ps(x.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
-        __m256 live = _mm256_andnot_ps(_mm256_cmp_ps(acc.v, acc.v, _CMP_UNORD_Q), lanes_below(cnt));
-        return _mm256_blendv_ps(acc.v, _mm256_max_ps(acc.v, a), live);  // max(acc, NaN) is NaN
+        __m256i a = _mm256_and_si256(_mm256_castps_si256(x.v), _mm256_set1_epi32(0x7FFFFFFF));
+        if (cnt < W) a = _mm256_and_si256(a, _mm256_castps_si256(lanes_below(cnt)));
+        return _mm256_castsi256_ps(_mm256_max_epi32(_mm256_castps_si256(acc.v), a));
     }
     static float absmax_reduce(V acc) {
         float b[8];
@@ -155,21 +157,57 @@ struct Avx2 : PerVectorBlocks<Avx2> {
 
     // q8_round_stochastic's choice for 8 values between entries c_lo <= y and c_hi: the upper one where
     // u * (c_hi - c_lo) < y - c_lo, u from the top 24 bits of the hash r; then the unsigned map's zero
-    // point (a positive value never takes code 0) and NaN to the top code.
-    static __m256i pick_entry(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256i r, bool unsigned_map) {
+    // point (a positive value never takes code 0; zero_point false where the floor tables fold it in)
+    // and NaN to the top code.
+    static __m256i pick_entry(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256i r, bool zero_point) {
         const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
         const __m256 pick = _mm256_cmp_ps(_mm256_mul_ps(u, _mm256_sub_ps(c_hi, c_lo)), _mm256_sub_ps(y, c_lo), _CMP_LT_OQ);
-        __m256i idx = _mm256_blendv_epi8(lo, hi, _mm256_castps_si256(pick));
-        if (unsigned_map)
-            idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)),
-                                                         _mm256_set1_epi32(1)));
-        return nan_to_top(idx, y);
+        return picked<false, false>(y, lo, hi, pick, zero_point);
     }
 
-    // q8_round_stochastic on 8 values at a time: the two map entries around each by gathers.
+    // Guided requantization (q8_round_guided) of 8 values y = x * scale between entries lo (c_lo) and hi
+    // (c_hi): the nearer one where it moves the value from prev the way x moved, else the stochastic one
+    // with the random bits draw() gives; then the unsigned map's zero point and NaN to the top code. With
+    // `lazy`, draw() runs only when some lane needs it: the same codes, and a first moment keeps its
+    // nearer entry in all 8 lanes of most vectors.
+    // The index a choice gives: hi where go_up, else lo (kNext: hi is lo + 1 from the floor tables, so lo
+    // minus the all-ones mask); then the unsigned map's zero point where it applies and NaN to the top
+    // code (kFinite: the block's maximum is finite, so no value is NaN).
+    template <bool kFinite, bool kNext>
+    static __m256i picked(__m256 y, __m256i lo, __m256i hi, __m256 go_up, bool zero_point) {
+        __m256i idx = kNext ? _mm256_sub_epi32(lo, _mm256_castps_si256(go_up))
+                            : _mm256_blendv_epi8(lo, hi, _mm256_castps_si256(go_up));
+        if (zero_point)
+            idx = _mm256_max_epi32(idx, _mm256_and_si256(_mm256_castps_si256(_mm256_cmp_ps(y, _mm256_setzero_ps(), _CMP_GT_OQ)),
+                                                         _mm256_set1_epi32(1)));
+        return kFinite ? idx : nan_to_top(idx, y);
+    }
+
+    // kFinite: the block's maximum is finite, so no value is NaN; kNext: hi is lo + 1.
+    // zero_point: apply the unsigned map's (false where the floor tables fold it in).
+    template <bool kFinite = false, bool kNext = false, class Draw>
+    static __m256i pick_guided(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256 x, __m256 prev,
+                               __m256 vA, bool zero_point, bool lazy, Draw draw) {
+        const __m256 gap = _mm256_sub_ps(c_hi, c_lo), above = _mm256_sub_ps(y, c_lo);
+        const __m256 near_up = _mm256_cmp_ps(_mm256_mul_ps(gap, _mm256_set1_ps(0.5f)), above, _CMP_LT_OQ);
+        const __m256 moved = _mm256_mul_ps(_mm256_blendv_ps(c_lo, c_hi, near_up), vA);
+        const __m256 keep = _mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(moved, prev), _mm256_sub_ps(x, prev)),
+                                          _mm256_setzero_ps(), _CMP_GT_OQ);
+        __m256 go_up = near_up;
+        if (!lazy || _mm256_movemask_ps(keep) != 0xFF) {
+            const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(draw(), 8)),
+                                           _mm256_set1_ps(5.9604644775390625e-08f));
+            go_up = _mm256_blendv_ps(_mm256_cmp_ps(_mm256_mul_ps(u, gap), above, _CMP_LT_OQ), near_up, keep);
+        }
+        return picked<kFinite, kNext>(y, lo, hi, go_up, zero_point);
+    }
+
+    // q8_round_stochastic on 8 values at a time (guided where prev is given): the two map entries
+    // around each by gathers.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table,
-                                       const float* code, uint32_t key, uint32_t first) {
-        const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax));
+                                       const float* code, uint32_t key, uint32_t first, const float* prev,
+                                       const uint8_t* old) {
+        const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax)), vA = _mm256_set1_ps(absmax);
         const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const bool unsigned_map = code[0] == 0.0f;
@@ -188,7 +226,15 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
             const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
             const __m256i r = mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
-            store_bytes(codes + i, pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map), cnt);
+            __m256i idx;
+            if (prev)
+                idx = pick_guided(y, c_lo, c_hi, lo, hi, _mm256_load_ps(x + i), _mm256_load_ps(prev + i), vA, unsigned_map,
+                                  false, [&] { return r; });
+            else if (old)
+                idx = pick_by_code(y, c_lo, c_hi, lo, hi, load_codes(old + i, cnt), r, unsigned_map);
+            else
+                idx = pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map);
+            store_bytes(codes + i, idx, cnt);
         }
     }
 
@@ -224,9 +270,30 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         store_bytes(out, nan_to_top(lookup_count(y, lookup), y), cnt);
     }
 
-    // q8_round_stochastic of 8 scaled values by the floor tables (q8_floormap.h): one row each, read
-    // whole and transposed, gives the floor index F (at most 254) and entries F and F + 1.
-    static __m256i round_by_floor(__m256 y, const FloorMap& fm, __m256i r, bool unsigned_map) {
+    // Requantization guided by the old codes (q8_round_guided_code) of 8 values between entries lo
+    // (c_lo) and hi (c_hi): the stochastic choice where the old code is lo or hi, else the nearer entry;
+    // the unsigned map's zero point and NaN to the top code, as pick_entry.
+    // The threshold of each lane is u where it draws and 1/2 (the nearer entry) where it does not.
+    template <bool kFinite = false, bool kNext = false>
+    static __m256i pick_by_code(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256i old, __m256i r,
+                                bool zero_point) {
+        const __m256 gap = _mm256_sub_ps(c_hi, c_lo), above = _mm256_sub_ps(y, c_lo);
+        const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(r, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+        const __m256 draw = _mm256_castsi256_ps(_mm256_or_si256(_mm256_cmpeq_epi32(old, lo), _mm256_cmpeq_epi32(old, hi)));
+        const __m256 go_up = _mm256_cmp_ps(_mm256_mul_ps(_mm256_blendv_ps(_mm256_set1_ps(0.5f), u, draw), gap), above,
+                                           _CMP_LT_OQ);
+        return picked<kFinite, kNext>(y, lo, hi, go_up, zero_point);
+    }
+
+    // 8 codes as int32 lanes (lanes >= cnt read as 0).
+    static __m256i load_codes(const uint8_t* c, int cnt) {
+        uint8_t b[8];
+        return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)staged_in(c, cnt, b)));
+    }
+
+    // The floor index F (at most 254) of 8 scaled values and entries F and F + 1, by the floor tables
+    // (q8_floormap.h): one row each, read whole and transposed.
+    static void floor_pair(__m256 y, const FloorMap& fm, __m256i& lo, __m256& c_lo, __m256& c_hi) {
         const __m256i key = lookup_key(y), hi = lookup_bucket(key);
         const __m128i hl = _mm256_castsi256_si128(hi), hh = _mm256_extracti128_si256(hi, 1);
         const uint64_t l0 = (uint64_t)_mm_cvtsi128_si64(hl), l1 = (uint64_t)_mm_extract_epi64(hl, 1);
@@ -244,16 +311,15 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         const __m256 c0 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));
         const __m256 c1 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));
         const __m256 c2 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));
-        const __m256i lo = bucket_count(entry, key);
+        lo = bucket_count(entry, key);
         const __m256 carry = _mm256_castsi256_ps(_mm256_cmpgt_epi32(lo, _mm256_srli_epi32(entry, 16)));
-        const __m256 c_lo = _mm256_blendv_ps(c0, c1, carry);
-        const __m256 c_hi = _mm256_blendv_ps(c1, c2, carry);
-        return pick_entry(y, c_lo, c_hi, lo, _mm256_add_epi32(lo, _mm256_set1_epi32(1)), r, unsigned_map);
+        c_lo = _mm256_blendv_ps(c0, c1, carry);
+        c_hi = _mm256_blendv_ps(c1, c2, carry);
     }
 
-    // Blocks of bs values, block j scaled by 1 / absmax[j]. Stochastic requantization with floor tables
-    // takes one pass and no nearest codes; otherwise the shared two passes (the nearest codes, then
-    // round_block_stochastic).
+    // Blocks of bs values, block j scaled by 1 / absmax[j]. Stochastic (or guided) requantization with
+    // floor tables takes one pass and no nearest codes, and no zero point step (the tables fold it in);
+    // otherwise the shared two passes (the nearest codes, then round_block_stochastic).
     static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
                                   const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
         if (!sr || !sr->floor) {
@@ -262,16 +328,35 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         }
         const FloorMap& fm = *sr->floor;
         const bool unsigned_map = sr->code[0] == 0.0f;
-        const __m256i key = _mm256_set1_epi32((int)sr->key);
+        const __m256i key = _mm256_set1_epi32((int)sr->key), one = _mm256_set1_epi32(1), eight = _mm256_set1_epi32(8);
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
             const int blen = len - b0 < bs ? len - b0 : bs;
-            const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax[j]));
-            for (int i = 0; i < blen; i += W) {
-                const __m256 y = _mm256_mul_ps(_mm256_load_ps(x + b0 + i), vscale);
-                const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(sr->first + (uint32_t)(b0 + i))), iota);
-                const __m256i r = mix32(_mm256_xor_si256(index, key));
-                store_bytes(out + b0 + i, round_by_floor(y, fm, r, unsigned_map), blen - i < W ? blen - i : W);
+            const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax[j])), vA = _mm256_set1_ps(absmax[j]);
+            const bool finite = absmax[j] < INFINITY;  // NaN is not
+            __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(sr->first + (uint32_t)b0)), iota);
+            for (int i = 0; i < blen; i += W, index = _mm256_add_epi32(index, eight)) {
+                const __m256 xv = _mm256_load_ps(x + b0 + i);
+                const __m256 y = _mm256_mul_ps(xv, vscale);
+                __m256i lo;
+                __m256 c_lo, c_hi;
+                floor_pair(y, fm, lo, c_lo, c_hi);
+                const __m256i hi = _mm256_add_epi32(lo, one);
+                const int cnt = blen - i < W ? blen - i : W;
+                __m256i idx;
+                if (sr->by_code) {  // the old codes, read before this vector's are written
+                    const __m256i old = load_codes(out + b0 + i, cnt), r = mix32(_mm256_xor_si256(index, key));
+                    idx = finite ? pick_by_code<true, true>(y, c_lo, c_hi, lo, hi, old, r, false)
+                                 : pick_by_code<false, true>(y, c_lo, c_hi, lo, hi, old, r, false);
+                } else if (sr->prev) {  // guided: a signed map's (a first moment's) hash only where a lane needs it
+                    const __m256 prev = _mm256_load_ps(sr->prev + b0 + i);
+                    auto draw = [&] { return mix32(_mm256_xor_si256(index, key)); };
+                    idx = finite ? pick_guided<true, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw)
+                                 : pick_guided<false, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw);
+                } else {
+                    idx = pick_entry(y, c_lo, c_hi, lo, hi, mix32(_mm256_xor_si256(index, key)), false);
+                }
+                store_bytes(out + b0 + i, idx, cnt);
             }
         }
     }
@@ -283,5 +368,16 @@ struct Avx2 : PerVectorBlocks<Avx2> {
 #include "q8_cpu_driver.h"
 
 Q8_DEFINE_ISA(avx2, Avx2)
+
+namespace ds_q8 {
+void requantize_guided_avx2(uint8_t* out, const float* x, int len, const float* absmax, int bs, const uint32_t* lookup,
+                            const float* code, uint32_t key, uint32_t first, const FloorMap* floor, const float* prev,
+                            bool by_code) {
+    const Avx2::Table table = code;
+    const Stochastic<Avx2::Table> sr{&table, code, key, first, floor, prev, by_code};
+    Avx2::requantize_blocks(out, x, len, absmax, bs, lookup, nullptr, &sr);
+}
+
+}  // namespace ds_q8
 
 #pragma GCC pop_options

@@ -15,6 +15,7 @@
 #include "q8_avx512_vectors.h"
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"  // Stochastic (this file writes its block functions itself)
+#include "q8_cpu_api.h"     // requantize_guided_avx2
 #include "q8_fastmap.h"
 
 namespace ds_q8 {
@@ -121,6 +122,11 @@ struct Avx512 : Avx512Vectors {
     // quantize() and is rounded stochastically from memory.
     static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
                                   const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        if (sr && (sr->prev || sr->by_code)) {  // guided requantization: the AVX2 driver's, which an AVX-512 CPU runs
+            requantize_guided_avx2(out, x, len, absmax, bs, lookup, sr->code, sr->key, sr->first, sr->floor, sr->prev,
+                                   sr->by_code);
+            return;
+        }
         if (fast && fast->is_signed) return requantize<1>(out, x, len, absmax, bs, lookup, fast, sr);
         if (fast) return requantize<0>(out, x, len, absmax, bs, lookup, fast, sr);
         requantize<-1>(out, x, len, absmax, bs, lookup, nullptr, sr);

@@ -56,7 +56,7 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
           std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps,
           std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
           const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-          const std::vector<bool>& stochastic_states) {
+          const std::vector<int64_t>& stochastic_states) {
     check_isa(isa);
     check_block_size(block_size);
     const auto hp = hyper_params(rule, hyper);
@@ -74,7 +74,7 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
                const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-               const std::vector<bool>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
+               const std::vector<int64_t>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
                const std::vector<torch::Tensor>& corrections) {
     check_isa(isa);
     const auto hp = hyper_params(rule, hyper);
@@ -167,7 +167,7 @@ class PreparedStep {
     PreparedStep(std::string rule, std::vector<torch::Tensor> params, std::vector<std::vector<torch::Tensor>> states,
                  std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                  std::vector<torch::Tensor> lookups, int64_t block_size, std::vector<int64_t> group_index,
-                 std::vector<int64_t> param_index, bool stochastic_params, std::vector<bool> stochastic_states,
+                 std::vector<int64_t> param_index, bool stochastic_params, std::vector<int64_t> stochastic_states,
                  std::vector<torch::Tensor> corrections)
         : rule_(std::move(rule)), params_(std::move(params)), states_(std::move(states)), absmax_(std::move(absmax)),
           maps_(std::move(maps)), lookups_(std::move(lookups)), corrections_(std::move(corrections)) {
@@ -319,7 +319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using pybind11::arg;
     // with keys: stochastic parameter writes unless stochastic_params=False, and the flagged states
     const auto params_sr = arg("stochastic_params") = true;
-    const auto states_sr = arg("stochastic_states") = std::vector<bool>{};
+    const auto states_sr = arg("stochastic_states") = std::vector<int64_t>{};
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("isa"), arg("rule"), arg("param"),
           arg("grad"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"),
           arg("sr_keys"), arg("sr_index"), params_sr, states_sr);
@@ -340,7 +340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def(pybind11::init<std::string, std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>,
                             std::vector<std::vector<torch::Tensor>>, std::vector<torch::Tensor>,
                             std::vector<torch::Tensor>, int64_t, std::vector<int64_t>, std::vector<int64_t>, bool,
-                            std::vector<bool>, std::vector<torch::Tensor>>(),
+                            std::vector<int64_t>, std::vector<torch::Tensor>>(),
              arg("rule"), arg("params"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"),
              arg("group_index"), arg("param_index"), params_sr, states_sr,
              arg("corrections") = std::vector<torch::Tensor>{});

@@ -39,7 +39,7 @@ struct StepArgs {
     int num_hyper;
     int num_threads;
     bool stochastic;           // 16-bit params: write them with stochastic rounding (q8_store_sr)
-    bool stochastic_states[Q8_MAX_STATES]; // requantize these 8-bit states stochastically (q8_round_stochastic)
+    uint8_t stochastic_states[Q8_MAX_STATES]; // how each 8-bit state is requantized (Q8_ROUND_*)
     uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
     int8_t* correction;        // null, or bf16 params' correction bytes (one per element: q8_bf16_join/split)
@@ -78,6 +78,14 @@ struct StepStatus {
 Q8_DECLARE_ISA(avx512)
 Q8_DECLARE_ISA(avx2)
 Q8_DECLARE_ISA(scalar)
+
+// Guided requantization (q8_round_guided) of a step's tile by the AVX2 driver, which the AVX-512 one
+// calls: len values in blocks of bs scaled by their stored maxima, the map, its lookup and floor tables
+// (or null), the state's key, the index of x[0] in its parameter, and the values before the update
+// (q8_round_guided) or by_code (q8_round_guided_code: `out` holds the old codes).
+void requantize_guided_avx2(uint8_t* out, const float* x, int len, const float* absmax, int bs, const uint32_t* lookup,
+                            const float* code, uint32_t key, uint32_t first, const FloorMap* floor, const float* prev,
+                            bool by_code);
 
 // Test probe of the AVX-512 segment search, compiled with Q8_PROBES only (tests/csrc/q8_probe.cpp):
 // mismatches against the lookup table over every float in [-limit, limit] (scaled values, so limit

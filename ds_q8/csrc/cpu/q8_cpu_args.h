@@ -134,10 +134,10 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
 // asked once per call (asked per tensor, its check of every key made a call quadratic in the tensors),
 // and the choices are checked by binding::check_stochastic_choices.
 void set_rounding(StepArgs& a, bool has_keys, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
-                  size_t t, bool params = true, const std::vector<bool>& states = {}) {
+                  size_t t, bool params = true, const std::vector<int64_t>& states = {}) {
     if (!has_keys) return;
     a.stochastic = params;
-    for (size_t k = 0; k < states.size(); ++k) a.stochastic_states[k] = states[k];
+    for (size_t k = 0; k < states.size(); ++k) a.stochastic_states[k] = (uint8_t)states[k];
     a.sr_key = (uint32_t)sr_keys[t];
     a.sr_index = sr_index[t];
 }
@@ -177,7 +177,7 @@ std::vector<StepArgs> many_args(const std::string& rule, const std::vector<torch
                                 const std::vector<std::vector<torch::Tensor>>& absmax, const StepMaps& step_map,
                                 int64_t block_size, const std::vector<HyperParam>& hp,
                                 const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
-                                bool stochastic_params, const std::vector<bool>& stochastic_states,
+                                bool stochastic_params, const std::vector<int64_t>& stochastic_states,
                                 const std::vector<torch::Tensor>& error_sums,
                                 const std::vector<torch::Tensor>& corrections) {
     check_block_size(block_size);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <stdint.h>
+#include <string.h>
 
 #include "q8_common.h"
 
@@ -18,7 +19,9 @@ namespace {
 
 // Stochastic requantization of a call's values (q8_round_stochastic): the map as the instruction set
 // prepared it, the map itself, the state's key, the index of the call's first value in its parameter,
-// and the map's floor tables (null when the map has none).
+// the map's floor tables (null when the map has none), and for guided requantization (q8_round_guided)
+// each value before the step's update (null: stochastic), or for requantization guided by the old code
+// (q8_round_guided_code) `by_code`: the codes a call writes hold the old ones when it starts.
 template <class Table>
 struct Stochastic {
     const Table* table;
@@ -26,6 +29,8 @@ struct Stochastic {
     uint32_t key;
     uint32_t first;
     const FloorMap* floor;
+    const float* prev;
+    bool by_code;
 };
 
 template <class Self>
@@ -55,21 +60,32 @@ struct PerVectorBlocks {
     // the nearest codes, then (with sr) the stochastically rounded ones from them.
     static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
                                   const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
+        uint8_t old[Q8_MAX_BLOCK];  // the old codes of a block guided by them, before the nearest ones replace them
         for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
             const int blen = len - b0 < bs ? len - b0 : bs;
+            const bool by_code = sr && sr->by_code;
+            if (by_code) memcpy(old, out + b0, (size_t)blen);
             Self::quantize_block(out + b0, x + b0, blen, absmax[j], lookup, fast);
             if (sr)
                 Self::round_block_stochastic(out + b0, x + b0, blen, absmax[j], *sr->table, sr->code, sr->key,
-                                             sr->first + (uint32_t)b0);
+                                             sr->first + (uint32_t)b0, sr->prev ? sr->prev + b0 : nullptr,
+                                             by_code ? old : nullptr);
         }
     }
 
-    // One value at a time (the scalar driver; the AVX2 one has its own).
+    // One value at a time (the scalar driver; the AVX2 one has its own); guided where prev (by the
+    // update) or old (by the old codes) is given.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table code,
-                                       const float*, uint32_t key, uint32_t first) {
+                                       const float*, uint32_t key, uint32_t first, const float* prev,
+                                       const uint8_t* old) {
         const float scale = q8_block_scale(absmax);
-        for (int i = 0; i < len; ++i)
-            codes[i] = (uint8_t)q8_round_stochastic(x[i] * scale, codes[i], code, q8_sr_bits(key, first + (uint32_t)i));
+        for (int i = 0; i < len; ++i) {
+            const uint32_t r = q8_sr_bits(key, first + (uint32_t)i);
+            const float y = x[i] * scale;
+            codes[i] = (uint8_t)(prev  ? q8_round_guided(y, codes[i], code, r, x[i], prev[i], absmax)
+                                 : old ? q8_round_guided_code(y, codes[i], code, r, old[i])
+                                       : q8_round_stochastic(y, codes[i], code, r));
+        }
     }
 
     static void quantize_block(uint8_t* out, const float* x, int len, float absmax, const uint32_t* lookup,

@@ -43,6 +43,10 @@ static inline bool q8_build_floormap(const float* code, FloorMap* out) {
         if (!(code[i] < code[i + 1]) || (!zero_point && !(code[i] < mid && mid < code[i + 1]))) return false;
         below[i] = nextafterf(code[i + 1], -INFINITY);
     }
+    // The zero point folded in: in a map whose smallest entry is 0, every positive value has F >= 1, so a
+    // value below code[1] rounds between entries 1 and 2, and y - code[1] < 0 keeps it at 1 whatever the
+    // rule, as the zero point would (callers skip that step); 0 itself keeps F = 0.
+    if (code[0] == 0.0f) below[0] = 0.0f;
     uint32_t* lookup = new uint32_t[kLookupSize];
     const bool ok = q8_build_thresholds(below, lookup);
     for (int i = 0; ok && i < kLookupSize; ++i) {

@@ -83,7 +83,7 @@ struct StepList {
     int32_t block_shift, threads_per_qblock;  // log2 of the block size, T = block size / kElems
     int32_t count, tiles;                   // tensors and tiles of the launch
     bool stochastic;                        // 16-bit parameter writes rounded stochastically
-    bool stochastic_states[Q8_MAX_STATES];  // 8-bit states requantized stochastically
+    uint8_t stochastic_states[Q8_MAX_STATES];  // how each 8-bit state is requantized (Q8_ROUND_*)
     const StepSlot* slot;                   // device memory: the tensors' slots,
     const int32_t* first_tile;              // and their first tiles (count + 1 entries)
 };
@@ -171,12 +171,66 @@ __device__ __forceinline__ void requantize_stochastic(const FloorTable& t, const
         idx[i] = round_stochastic_by_table<kPositive>(t, table_scaled(x[i], scale), q8_sr_bits(key, index + i));
 }
 
+// The 8 codes of a thread's values of state k, guided (q8_round_guided) by their values before the
+// update: entries F and F + 1 from one floor index, the nearer kept where it moves the value from prev
+// the way x moved (q8_guided_keep), else stochastic rounding between them, its random bits drawn only
+// there; then the zero point of a positive map. A finite block's values are finite.
+// A thread's old code i of a state, from the 8 packed in two words (pack_codes).
+__device__ __forceinline__ uint32_t old_code(const uint32_t (&old)[2], int i) { return (old[i >> 2] >> (8 * (i & 3))) & 255u; }
+
+template <bool kPositive>
+__device__ __forceinline__ void requantize_guided(const FloorTable& t, const float (&x)[kElems],
+                                                  const uint32_t (&old)[2], float old_absmax, float scale, float absmax,
+                                                  uint32_t key, uint32_t index, uint32_t (&idx)[kElems]) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        const float prev = t.code[old_code(old, i)] * old_absmax;  // the dequantized value, as loaded
+        const float y = table_scaled(x[i], scale);
+        const uint32_t f = floor_index<kPositive>(t, y);
+        const float c_lo = t.code[f], c_hi = t.code[f + 1];
+        const float gap = c_hi - c_lo, above = y - c_lo;
+        const bool near_up = gap * 0.5f < above;
+        bool go_up = near_up;
+        if (!q8_guided_keep(x[i], prev, (near_up ? c_hi : c_lo) * absmax)) {
+            const uint32_t r = q8_sr_bits(key, index + i);
+            go_up = (float)(r >> 8) * 5.9604644775390625e-08f * gap < above;
+        }
+        idx[i] = f + (go_up ? 1u : 0u);
+        if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
+    }
+}
+
+// The same guided by the old codes (q8_round_guided_code): stochastic where the old code is F or F + 1,
+// the nearer entry elsewhere.
+template <bool kPositive>
+__device__ __forceinline__ void requantize_guided_code(const FloorTable& t, const float (&x)[kElems],
+                                                       const uint32_t (&old)[2], float scale, uint32_t key,
+                                                       uint32_t index, uint32_t (&idx)[kElems]) {
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) {
+        const float y = table_scaled(x[i], scale);
+        const uint32_t f = floor_index<kPositive>(t, y);
+        const float c_lo = t.code[f], c_hi = t.code[f + 1];
+        const float gap = c_hi - c_lo, above = y - c_lo;
+        const uint32_t o = old_code(old, i);
+        bool go_up = gap * 0.5f < above;
+        if (o == f || o == f + 1u) {
+            const uint32_t r = q8_sr_bits(key, index + i);
+            go_up = (float)(r >> 8) * 5.9604644775390625e-08f * gap < above;
+        }
+        idx[i] = f + (go_up ? 1u : 0u);
+        if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
+    }
+}
+
 // The exact path: any value (NaN, infinity, beyond the table's range), through the lookup table.
 __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint32_t* lookup, float x, float scale,
-                                                bool stochastic, uint32_t r) {
+                                                int mode, uint32_t r, uint32_t old, float old_absmax, float absmax) {
     const float y = x * scale;
     const uint32_t n = q8_quantize_scaled(y, lookup);
-    return stochastic ? q8_round_stochastic(y, n, t.code, r) : n;
+    if (mode == Q8_ROUND_GUIDED) return q8_round_guided(y, n, t.code, r, x, t.code[old] * old_absmax, absmax);
+    if (mode == Q8_ROUND_GUIDED_CODE) return q8_round_guided_code(y, n, t.code, r, old);
+    return mode == Q8_ROUND_STOCHASTIC ? q8_round_stochastic(y, n, t.code, r) : n;
 }
 
 // ------------------------------------------------------------------ fused 8-bit step
@@ -209,12 +263,16 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
         int8_t* corr = a.correction ? a.correction + start : nullptr;
 
         float p[kElems], g[kElems], s[K][kElems];
+        uint32_t old[K][2];  // each state's old codes, packed: guided requantization reads them
+        float old_absmax[K];
 #pragma unroll
         for (int i = 0; i < kElems; ++i) {
             p[i] = g[i] = 0.0f;
 #pragma unroll
             for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
         }
+#pragma unroll
+        for (int k = 0; k < K; ++k) old[k][0] = old[k][1] = 0u, old_absmax[k] = 0.0f;
         if (live) {
             load_param8(param + start, p, cnt, a.align_param, corr);
             load8(grad + start, g, cnt, a.align_grad);
@@ -225,6 +283,9 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
                 const float am = q8_absmax_load(a.absmax[k][qblock]);
 #pragma unroll
                 for (int i = 0; i < kElems; ++i) s[k][i] = tab[k].code[c[i]] * am;
+                old[k][0] = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
+                old[k][1] = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
+                old_absmax[k] = am;
             }
             apply_rule(rule, p, g, s);
             store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
@@ -251,14 +312,21 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             if ((threadIdx.x & (T - 1)) == 0) a.absmax[k][qblock] = stored;
             const float absmax = q8_absmax_load(stored);
             const float scale = q8_block_scale(absmax);
-            const bool sr = list.stochastic_states[k];
+            const int mode = list.stochastic_states[k];
+            const bool sr = mode == Q8_ROUND_STOCHASTIC;
             const uint32_t key = q8_state_key(a.sr_key, k);
             const uint32_t index = (uint32_t)(a.sr_index + start);
             uint32_t idx[kElems];
             // the state's kind of map is the rule's (kSigned); a map of the other kind takes the exact path
             const bool positive = ((Rule::kSigned >> k) & 1u) == 0u;
             const bool fast = table[k] && maxbits < 0x7F800000u && (tab[k].positive_only != 0u) == positive;
-            if (fast && sr) {
+            if (fast && mode == Q8_ROUND_GUIDED) {
+                if (positive) requantize_guided<true>(tab[k], s[k], old[k], old_absmax[k], scale, absmax, key, index, idx);
+                else requantize_guided<false>(tab[k], s[k], old[k], old_absmax[k], scale, absmax, key, index, idx);
+            } else if (fast && mode == Q8_ROUND_GUIDED_CODE) {
+                if (positive) requantize_guided_code<true>(tab[k], s[k], old[k], scale, key, index, idx);
+                else requantize_guided_code<false>(tab[k], s[k], old[k], scale, key, index, idx);
+            } else if (fast && sr) {
                 if (positive) requantize_stochastic<true>(tab[k], s[k], scale, key, index, idx);
                 else requantize_stochastic<false>(tab[k], s[k], scale, key, index, idx);
             } else if (fast) {
@@ -267,8 +335,9 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             } else {
 #pragma unroll
                 for (int i = 0; i < kElems; ++i)
-                    idx[i] = round_exact(tab[k], list.lookup[k], s[k][i], scale, sr,
-                                         sr ? q8_sr_bits(key, index + i) : 0u);
+                    idx[i] = round_exact(tab[k], list.lookup[k], s[k][i], scale, mode,
+                                         mode != Q8_ROUND_NEAREST ? q8_sr_bits(key, index + i) : 0u,
+                                         old_code(old[k], i), old_absmax[k], absmax);
             }
             store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
             if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on

@@ -151,14 +151,19 @@ inline bool check_rounding(const std::vector<int64_t>& sr_keys, const std::vecto
     return true;
 }
 
-// Which of an 8-bit step's k states are requantized stochastically: empty (none) or one flag per state.
-// They need the random bits' keys (`has_keys`, from check_rounding); so do stochastic parameter writes,
+// How each of an 8-bit step's k states is requantized: empty (all to nearest) or one Q8_ROUND_* per state.
+// Random bits need the keys (`has_keys`, from check_rounding); so do stochastic parameter writes,
 // which are off without keys whatever the flag says.
-inline void check_stochastic_choices(bool has_keys, const std::vector<bool>& states, size_t k) {
-    TORCH_CHECK_VALUE(states.empty() || states.size() == k, "stochastic_states must be empty or have one flag per "
+inline void check_stochastic_choices(bool has_keys, const std::vector<int64_t>& states, size_t k) {
+    TORCH_CHECK_VALUE(states.empty() || states.size() == k, "stochastic_states must be empty or have one entry per "
                       "state (", k, "), got ", states.size());
     bool any = false;
-    for (bool s : states) any = any || s;
+    for (int64_t s : states) {
+        TORCH_CHECK_VALUE(s >= Q8_ROUND_NEAREST && s <= Q8_ROUND_GUIDED_CODE, "stochastic_states entries must be in [",
+                          Q8_ROUND_NEAREST, ", ", Q8_ROUND_GUIDED_CODE,
+                          "] (nearest, stochastic, guided by the update, guided by the old code), got ", s);
+        any = any || s != Q8_ROUND_NEAREST;
+    }
     TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");
 }
 
