@@ -21,6 +21,7 @@ Optimizers:
                            srv      state_rounding="stochastic_unsigned" (first moments to nearest,
                                     second moments stochastically)
                            R        any other state_rounding R by its name (stochastic, guided, ...)
+                           Q        a quantization Q by its name (dynamic, dynamic6, linear)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
                            4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)
@@ -144,14 +145,14 @@ def check_optimizer_name(name: str) -> None:
     for change in changes:
         if change in valid[base] or (base != "bnb" and jitter_draw((change,)) is not None):
             continue
-        if base == "ds_q8" and change in state_roundings():
+        if base == "ds_q8" and (change in state_roundings() or change in quantizations()):
             continue
         if base in ("ds_q8", "sim") and change.startswith("bs") and change[2:].isdigit():
             from ds_q8 import functional as F
             F.check_block_size(int(change[2:]), f"{base} block size (bsN)")
             continue
         more = (("bsN",) if base in ("ds_q8", "sim") else ()) + (("jitter[K]",) if base != "bnb" else ()) + \
-            (state_roundings() if base == "ds_q8" else ())
+            (state_roundings() + quantizations() if base == "ds_q8" else ())
         raise ValueError(f"unknown change {change!r} in {name!r}: {base} takes "
                          f"{', '.join(valid[base] + more) or 'none'}")
 
@@ -183,6 +184,12 @@ def state_roundings() -> tuple:
     from ds_q8.optim.group_options import STATE_ROUNDINGS
 
     return STATE_ROUNDINGS
+
+
+def quantizations() -> tuple:
+    from ds_q8.optim.group_options import QUANTIZATIONS
+
+    return QUANTIZATIONS
 
 
 def state_rounding_of(changes) -> Optional[str]:
@@ -298,6 +305,7 @@ def make_optimizer(name: str, model, lr: float, seed: int):
         rounding = state_rounding_of(changes)
         if rounding is not None:
             masters["state_rounding"] = rounding
+        masters.update({"quantization": c for c in changes if c in quantizations()})
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
                                     optim_bits=32 if "fp32" in changes else 4 if "4bit" in changes else 8,
                                     **masters)
