@@ -10,8 +10,13 @@ of [3n, n] whose parts are rows).
 
 For ds_q8 rows it also counts first moments that the 8-bit state lost: elements whose first moment is
 stored as zero while torch's is not small against the element's own gradient scale
-(``|m| > 0.3 sqrt(v)``, both torch's). Such zeros are rare even where blocks mix (a value is stored as
-zero only below 1.6e-7 of its block's maximum): what mixing costs is coarse codes, which the cosine shows.
+(``|m| > 0.3 sqrt(v)``, both torch's). Such zeros are rare even where blocks mix (rounding to nearest
+stores a value as zero only below 2.8e-6 of its block's maximum on the dynamic6 map, 2.8e-7 on the
+dynamic map): what mixing costs is coarse codes, which the cosine shows. A single one comes from an
+element whose first moment passes near zero while its gradient scale is about as small, so that 8-bit's
+rounding error over a few steps is as large as the moment itself (GPT-2 at 1600, 8 steps: one of 31
+million, at 0.003 of its block's maximum and |m| = 0.32 sqrt(v)); a map that loses first moments
+systematically loses millions (4-bit states: 1.2 million of those 31 million).
 
     python launch/fidelity.py                                   # GPT-2 at widths 128, 768 and 1600
     python launch/fidelity.py --arch neox --widths 768 --optimizers ds_q8 ds_q8:bs2048
@@ -243,6 +248,7 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
         model, _, opt = train(model_fn, make(name, lr, weight_decay), text, steps, batch, context, seed, weight_decay,
                               decay, warmup, lr)
         per = compare(ref, ref_init, model)
+        elements = sum(p.numel() for p in model.parameters() if p.dim() == 2)
         lost = lost_first_moments(ref_opt, ref, opt, model) if ref_name == "torch" else {}
         worst = min(per, key=lambda r: r["cosine"])
         rows.append(dict(arch=arch, width=width, layers=layers, optimizer=name, reference=ref_name,
@@ -250,7 +256,8 @@ def run(arch: str, width: int, layers: int, optimizers: List[str], steps: int = 
                          min_cosine=worst["cosine"], worst_matrix=worst["matrix"],
                          median_cosine=statistics.median(r["cosine"] for r in per),
                          norm_ratio_lo=min(r["norm_ratio"] for r in per), norm_ratio_hi=max(r["norm_ratio"] for r in per),
-                         m_lost=sum(lost.values()) if lost else None, per_matrix=per, lost_per_matrix=lost,
+                         m_lost=sum(lost.values()) if lost else None, matrix_elements=elements, per_matrix=per,
+                         lost_per_matrix=lost,
                          seconds=round(time.time() - t0, 1)))
         del model, opt
     return rows

@@ -12,7 +12,10 @@ width that is a multiple of 64.
 The bounds, from the measurements in these configurations (8 steps of batch 8, lr 6e-4): every matrix's
 update at a cosine of at least 0.999 against torch's (measured: 0.9998 at widths 128, 768 and 1600 and on
 GPT-NeoX at 768) and within 1% of its norm (measured: 0.1%); no first moment that torch holds above 0.3
-of its gradient scale (|m| > 0.3 sqrt(v)) stored as zero; no second moment with a gradient history
+of its gradient scale (|m| > 0.3 sqrt(v)) stored as zero, beyond one in a million weights (measured: none,
+or one of 31 million at 1600, an element whose moment passes near zero at 0.003 of its block's maximum,
+where 8-bit's rounding error is as large as the moment; 4-bit states lose 1.2 million of those 31 million,
+launch/fidelity.py); no second moment with a gradient history
 stored as zero (the zero point). The same check with 2048-element blocks at width 128 measures 0.9903 on
 `h.1.attn.c_attn`: the test can fail.
 """
@@ -32,6 +35,12 @@ from helpers.ds_launch import free_port, run_checked
 
 STEPS, LR, BATCH, CONTEXT = 8, 6e-4, 8, 64
 NORM_BOUND, COSINE_BOUND = 0.01, 0.999
+#: first moments stored as zero that torch holds above 0.3 sqrt(v), per weight-matrix element (width 128: none)
+LOST_RATE = 1e-6
+
+
+def assert_few_lost(row):
+    assert row["m_lost"] <= LOST_RATE * row["matrix_elements"], row["lost_per_matrix"]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +63,7 @@ def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers)
     assert any("attn" in m["matrix"] or "query_key_value" in m["matrix"] for m in ours["per_matrix"])
     assert ours["min_cosine"] >= COSINE_BOUND, report
     assert 1 - NORM_BOUND <= ours["norm_ratio_lo"] and ours["norm_ratio_hi"] <= 1 + NORM_BOUND, report
-    assert ours["m_lost"] == 0, ours["lost_per_matrix"]
+    assert_few_lost(ours)
     if "ds_q8:bs2048" in rows:  # blocks across the parts of c_attn: the same check fails
         assert rows["ds_q8:bs2048"]["min_cosine"] < COSINE_BOUND
 
@@ -83,7 +92,7 @@ def test_every_weight_matrix_updates_like_torch_adamw_over_25_steps(text, width,
         print(report)
         assert ours["min_cosine"] >= bounds[ours["optimizer"]], report
         assert 1 - NORM_BOUND <= ours["norm_ratio_lo"] and ours["norm_ratio_hi"] <= 1 + NORM_BOUND, report
-        assert ours["m_lost"] == 0, ours["lost_per_matrix"]
+        assert_few_lost(ours)
 
 
 @pytest.mark.slow

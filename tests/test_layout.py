@@ -107,7 +107,8 @@ def test_state_dict_without_layouts_is_refused_and_nothing_changes():
     rule = opt.rule_of(flat)
     for i, name in enumerate(rule.state_names, start=1):
         signed = rule.state_signed[i - 1]
-        codes, absmax = ds_q8.functional.quantize_blockwise(values[name], ds_q8.create_dynamic_map(signed), 64)
+        code = ds_q8.functional.state_map(opt._state_group(flat)["quantization"], signed, "cpu")
+        codes, absmax = ds_q8.functional.quantize_blockwise(values[name], code, 64)
         old_codes[f"state{i}"], old_codes[f"absmax{i}"] = codes, absmax
     old = {"state": {0: dict(old_codes, step=2)}, "param_groups": opt.state_dict()["param_groups"],
            STATE_DICT_MARKER: {"optimizer": "Adam8bitBlock"}}

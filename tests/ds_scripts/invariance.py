@@ -128,8 +128,10 @@ def check_state_api(engine, opt, world) -> dict:
         safe_set_full_optimizer_state(p, value, name)
         got = safe_get_full_optimizer_state(p, name)
         if pname == "w4":  # 8-bit: the value quantized in the parameter's own blocks
-            codes, absmax = ds_q8.functional.quantize_blockwise(value, ds_q8.create_dynamic_map(signed), BLOCK)
-            want = ds_q8.functional.dequantize_blockwise(codes, absmax, ds_q8.create_dynamic_map(signed), BLOCK)
+            group = opt._state_group(link.tensor if link is not None else p)
+            code = ds_q8.functional.state_map(group["quantization"], signed, "cpu")  # the group's own map
+            codes, absmax = ds_q8.functional.quantize_blockwise(value, code, BLOCK)
+            want = ds_q8.functional.dequantize_blockwise(codes, absmax, code, BLOCK)
         else:  # fp32 state: exactly the value
             want = value
         out[f"set_get_{pname}"] = float((got.float().cpu() - want).abs().max())
