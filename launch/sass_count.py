@@ -22,6 +22,7 @@ side by side:
 
     python launch/sass_count.py                        # this tree, AdamW
     python launch/sass_count.py --rev 103f9e4 --rev tree --json out/sass.json
+    python launch/sass_count.py --rev 84d1199@stochastic --rev tree@stochastic --rev tree@guided
 
 A static count over one path, not a measurement: Nsight Compute on a GPU counts what runs
 (launch/gpu_check.sh's profile stage).
@@ -76,9 +77,28 @@ _LABEL = re.compile(r"^(\.L_x_\d+):")
 _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 
 
-def sources(rev: Optional[str], dest: str, rules: List[str]) -> str:
+#: --rev's "@rounding": each state's requantization fixed at compile time, so that the common path is that
+#: rule's alone (without it the path takes the longest of the kernel's rules); "guided" is the default's
+#: pair, signed states guided by their update and unsigned ones by their old code
+ROUNDINGS = {"stochastic": ("Q8_ROUND_STOCHASTIC", "true"), "nearest": ("Q8_ROUND_NEAREST", "false"),
+             "guided": ("((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE", None)}
+_MODE_LINES = ("const int mode = list.stochastic_states[k];", "const bool sr = list.stochastic_states[k];")
+
+
+def fix_rounding(csrc: str, rounding: str) -> None:
+    """Make the step kernel's per-state rounding mode ``rounding`` (ROUNDINGS) a compile-time constant."""
+    path = os.path.join(csrc, "cuda", "q8_cuda_step.cuh")
+    text = open(path).read()
+    for line, value in zip(_MODE_LINES, ROUNDINGS[rounding]):
+        if line in text and value is not None:
+            open(path, "w").write(text.replace(line, line.split("=")[0] + f"= {value};"))
+            return
+    raise SystemExit(f"@{rounding}: this revision's step kernel has no such rounding mode to fix")
+
+
+def sources(rev: Optional[str], dest: str, rules: List[str], label: Optional[str] = None) -> str:
     """A copy of csrc (of ``rev``, or the working tree) whose Q8_RULES names only ``rules``."""
-    out = os.path.join(dest, rev or "tree")
+    out = os.path.join(dest, label or rev or "tree")
     if rev:
         os.makedirs(out)
         archive = subprocess.run(["git", "-C", ROOT, "archive", rev, CSRC], capture_output=True, check=True).stdout
@@ -287,9 +307,17 @@ def loop_line_of(csrc: str) -> Optional[Tuple[str, int]]:
     return None
 
 
-def measure(rev: Optional[str], arch: str, rules: List[str], match: str, tmp: str) -> List[Dict]:
-    csrc = sources(rev, tmp, rules)
-    objects = os.path.join(tmp, f"{rev or 'tree'}-objects")
+def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str) -> List[Dict]:
+    """The rows of ``spec``: a git revision or "tree", with "@rounding" to fix the rounding (ROUNDINGS)."""
+    name, _, rounding = spec.partition("@")
+    if rounding and rounding not in ROUNDINGS:
+        raise SystemExit(f"--rev {spec!r}: the rounding after '@' must be one of {sorted(ROUNDINGS)}")
+    rev = None if name == "tree" else name
+    label = re.sub(r"[^\w.-]", "_", spec)
+    csrc = sources(rev, tmp, rules, label)
+    if rounding:
+        fix_rounding(csrc, rounding)
+    objects = os.path.join(tmp, f"{label}-objects")
     os.makedirs(objects)
     dis, log = disassemble(csrc, arch, objects)
     regs = {r["mangled"]: r for r in ptxas_report.parse(log)}
@@ -308,7 +336,7 @@ def measure(rev: Optional[str], arch: str, rules: List[str], match: str, tmp: st
         path = common_path(instrs, cold, loop)
         r = regs.get(mangled, {})
         on_cold = sum(1 for i in path if any(line in cold.get(f, ()) for f, line in i.where))
-        rows.append({"rev": rev or "tree", "kernel": name, "static": len(instrs), "path": len(path), "cold": on_cold,
+        rows.append({"rev": spec, "kernel": name, "static": len(instrs), "path": len(path), "cold": on_cold,
                      "per_element": round(len(path) / ELEMS, 1), "registers": r.get("registers"),
                      "spills": r.get("spill_stores", 0) + r.get("spill_loads", 0),
                      "ops": dict(Counter(i.op for i in path).most_common())})
@@ -317,7 +345,8 @@ def measure(rev: Optional[str], arch: str, rules: List[str], match: str, tmp: st
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rev", action="append", help="a git revision to measure, or tree for the working tree (repeatable; default: tree)")
+    ap.add_argument("--rev", action="append", help="a git revision to measure, or tree for the working tree, with "
+                    "@stochastic, @nearest or @guided to fix each state's rounding (repeatable; default: tree)")
     ap.add_argument("--arch", default="90", help="compute capability without the dot (default 90)")
     ap.add_argument("--rules", default="adamw", help="comma-separated rules to compile (default adamw)")
     ap.add_argument("--kernels", default=r"^void step_kernel<AdamRule<true>, (float, float|q8_bf16, q8_bf16)>",
@@ -328,8 +357,8 @@ def main(argv=None) -> int:
         ap.error(f"--arch must be a compute capability such as 90 or 80, got {args.arch!r}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for rev in args.rev or [None]:
-            rows += measure(None if rev == "tree" else rev, args.arch, args.rules.split(","), args.kernels, tmp)
+        for rev in args.rev or ["tree"]:
+            rows += measure(rev, args.arch, args.rules.split(","), args.kernels, tmp)
     if not rows:
         print(f"no kernel matches {args.kernels!r}", file=sys.stderr)
         return 1
@@ -337,7 +366,7 @@ def main(argv=None) -> int:
     print(f"| revision | kernel{' ' * (width - 6)} | registers | spills | SASS | common path | per element |")
     print(f"|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['rev'][:10]} | {r['kernel']:<{width}} | {r['registers']} | {r['spills']} | {r['static']} | "
+        print(f"| {r['rev'][:24]} | {r['kernel']:<{width}} | {r['registers']} | {r['spills']} | {r['static']} | "
               f"{r['path']} | {r['per_element']} |")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

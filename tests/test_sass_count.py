@@ -3,6 +3,8 @@ minutes; the reading of its output is what can go wrong silently)."""
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
 import sass_count  # noqa: E402
 
@@ -72,3 +74,15 @@ def test_sources_keeps_only_the_rules_asked_for(tmp_path):
     text = open(os.path.join(csrc, "includes", "q8_rules.h")).read()
     line = next(l for l in text.split("\n") if l.startswith("#define Q8_RULES(X)"))
     assert '"adamw"' in line and '"adam"' not in line and '"lion"' not in line
+
+
+def test_a_fixed_rounding_makes_each_states_mode_a_constant(tmp_path):
+    csrc = sass_count.sources(None, str(tmp_path), ["adamw"], "tree_guided")
+    sass_count.fix_rounding(csrc, "guided")
+    text = open(os.path.join(csrc, "cuda", "q8_cuda_step.cuh")).read()
+    assert "list.stochastic_states[k]" not in text
+    assert "const int mode = ((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE;" in text
+    with pytest.raises(SystemExit, match="no such rounding mode"):  # already fixed: nothing left to fix
+        sass_count.fix_rounding(csrc, "stochastic")
+    with pytest.raises(SystemExit, match="must be one of"):
+        sass_count.measure("tree@sometimes", "90", ["adamw"], ".", str(tmp_path))

@@ -171,31 +171,42 @@ __device__ __forceinline__ void requantize_stochastic(const FloorTable& t, const
         idx[i] = round_stochastic_by_table<kPositive>(t, table_scaled(x[i], scale), q8_sr_bits(key, index + i));
 }
 
-// The 8 codes of a thread's values of state k, guided (q8_round_guided) by their values before the
-// update: entries F and F + 1 from one floor index, the nearer kept where it moves the value from prev
-// the way x moved (q8_guided_keep), else stochastic rounding between them, its random bits drawn only
-// there; then the zero point of a positive map. A finite block's values are finite.
 // A thread's old code i of a state, from the 8 packed in two words (pack_codes).
 __device__ __forceinline__ uint32_t old_code(const uint32_t (&old)[2], int i) { return (old[i >> 2] >> (8 * (i & 3))) & 255u; }
 
+// Both choices of the guided rules (q8_guide_pair, q8_guide_pick) from F's pair read: whether the nearer
+// entry is F + 1 (gap * 0.5 < y - code[F], gap * 0.5 being pair.y * 2^23 exactly), and whether the
+// stochastic draw goes up (as round_stochastic_by_table). Both are computed and one is selected, the
+// random bits drawn for every element: a warp issues the draw wherever one of its lanes needs it, and
+// a branch around it would cost more than it skips.
+struct GuidedChoice {
+    uint32_t f;
+    bool near_up, draw_up;
+};
+template <bool kPositive>
+__device__ __forceinline__ GuidedChoice guided_choice(const FloorTable& t, float y, uint32_t r) {
+    const uint32_t f = floor_index<kPositive>(t, y);
+    const float2 pr = reinterpret_cast<const float2*>(t.pair)[f];
+    const float above = y - pr.x;
+    return {f, pr.y * 8388608.0f < above, (float)(r >> 8) * pr.y < above};
+}
+
+// The 8 codes of a thread's values of state k, guided (q8_round_guided) by their values before the
+// update: the nearer entry kept where it moves the value from prev the way x moved (q8_guided_keep),
+// else stochastic rounding between F and F + 1; then the zero point of a positive map (where the pair
+// table's zero-point gap of 0 gives the same codes as the map's gap). A finite block's values are finite.
 template <bool kPositive>
 __device__ __forceinline__ void requantize_guided(const FloorTable& t, const float (&x)[kElems],
                                                   const uint32_t (&old)[2], float old_absmax, float scale, float absmax,
                                                   uint32_t key, uint32_t index, uint32_t (&idx)[kElems]) {
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
-        const float prev = t.code[old_code(old, i)] * old_absmax;  // the dequantized value, as loaded
         const float y = table_scaled(x[i], scale);
-        const uint32_t f = floor_index<kPositive>(t, y);
-        const float c_lo = t.code[f], c_hi = t.code[f + 1];
-        const float gap = c_hi - c_lo, above = y - c_lo;
-        const bool near_up = gap * 0.5f < above;
-        bool go_up = near_up;
-        if (!q8_guided_keep(x[i], prev, (near_up ? c_hi : c_lo) * absmax)) {
-            const uint32_t r = q8_sr_bits(key, index + i);
-            go_up = (float)(r >> 8) * 5.9604644775390625e-08f * gap < above;
-        }
-        idx[i] = f + (go_up ? 1u : 0u);
+        const GuidedChoice c = guided_choice<kPositive>(t, y, q8_sr_bits(key, index + i));
+        const float prev = t.code[old_code(old, i)] * old_absmax;  // the dequantized value, as loaded
+        const float nearer = t.code[c.f + (c.near_up ? 1u : 0u)];
+        const bool up = q8_guided_keep(x[i], prev, nearer * absmax) ? c.near_up : c.draw_up;
+        idx[i] = c.f + (up ? 1u : 0u);
         if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
     }
 }
@@ -209,16 +220,9 @@ __device__ __forceinline__ void requantize_guided_code(const FloorTable& t, cons
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
         const float y = table_scaled(x[i], scale);
-        const uint32_t f = floor_index<kPositive>(t, y);
-        const float c_lo = t.code[f], c_hi = t.code[f + 1];
-        const float gap = c_hi - c_lo, above = y - c_lo;
-        const uint32_t o = old_code(old, i);
-        bool go_up = gap * 0.5f < above;
-        if (o == f || o == f + 1u) {
-            const uint32_t r = q8_sr_bits(key, index + i);
-            go_up = (float)(r >> 8) * 5.9604644775390625e-08f * gap < above;
-        }
-        idx[i] = f + (go_up ? 1u : 0u);
+        const GuidedChoice c = guided_choice<kPositive>(t, y, q8_sr_bits(key, index + i));
+        const bool up = old_code(old, i) - c.f < 2u ? c.draw_up : c.near_up;
+        idx[i] = c.f + (up ? 1u : 0u);
         if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
     }
 }
