@@ -63,8 +63,9 @@ def check_common_group(group: dict) -> None:
                          "nearest; it cannot be combined with stochastic_rounding=true (leave stochastic_rounding "
                          "null or false)")
     if group.get("state_rounding", OPTIONS["state_rounding"]) not in STATE_ROUNDINGS:
-        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how the states are requantized: every "
-                         f"state right on average, only the second moments, or every state to the nearest code), "
+        raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how the states are requantized: guided, "
+                         f"to the nearer code except where that could stall a state; every state right on average; only "
+                         f"the second moments; or every state to the nearest code), "
                          f"got {group.get('state_rounding')!r}")
     impl = group.get("impl", "auto")
     if impl not in IMPLS:
@@ -122,9 +123,10 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
 
 
 def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
-    """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
-    :data:`ROUND_GUIDED`; true where random bits are drawn): every state stochastically
-    (``state_rounding="stochastic"``), every state guided (``"guided"``), the unsigned ones only
+    """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC`, :data:`ROUND_GUIDED`
+    or :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
+    (``state_rounding="stochastic"``), every state guided (``"guided"``: signed states by their update,
+    unsigned ones by their old code), the unsigned ones only
     stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none (``"nearest"``).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
