@@ -82,14 +82,16 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 #: pair, signed states guided by their update and unsigned ones by their old code
 ROUNDINGS = {"stochastic": ("Q8_ROUND_STOCHASTIC", "true"), "nearest": ("Q8_ROUND_NEAREST", "false"),
              "guided": ("((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE", None)}
-_MODE_LINES = ("const int mode = list.stochastic_states[k];", "const bool sr = list.stochastic_states[k];")
+_MODE_LINES = ("const int listed = list.stochastic_states[k];", "const int mode = list.stochastic_states[k];",
+               "const bool sr = list.stochastic_states[k];")
 
 
 def fix_rounding(csrc: str, rounding: str) -> None:
     """Make the step kernel's per-state rounding mode ``rounding`` (ROUNDINGS) a compile-time constant."""
     path = os.path.join(csrc, "cuda", "q8_cuda_step.cuh")
     text = open(path).read()
-    for line, value in zip(_MODE_LINES, ROUNDINGS[rounding]):
+    for line in _MODE_LINES:
+        value = ROUNDINGS[rounding][0 if line.startswith("const int") else 1]
         if line in text and value is not None:
             open(path, "w").write(text.replace(line, line.split("=")[0] + f"= {value};"))
             return
@@ -349,7 +351,7 @@ def main(argv=None) -> int:
                     "@stochastic, @nearest or @guided to fix each state's rounding (repeatable; default: tree)")
     ap.add_argument("--arch", default="90", help="compute capability without the dot (default 90)")
     ap.add_argument("--rules", default="adamw", help="comma-separated rules to compile (default adamw)")
-    ap.add_argument("--kernels", default=r"^void step_kernel<AdamRule<true>, (float, float|q8_bf16, q8_bf16)>",
+    ap.add_argument("--kernels", default=r"^void step_kernel<AdamRule<true>, (float, float|q8_bf16, q8_bf16)(, \w+)?>",
                     help="regular expression on the demangled kernel names to report")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)

@@ -42,7 +42,7 @@ def plain_arch_list(value: str) -> str:
 
 
 #: the step's translation units (kStepParts in csrc/cuda/q8_cuda_step.cuh)
-STEP_PARTS = 4
+STEP_PARTS = 8
 
 
 class Q8CUDABuilder(PrebuiltFirstMixin, CUDAOpBuilder):

@@ -8,5 +8,9 @@
 #include "q8_cuda_step_1.cu"
 #include "q8_cuda_step_2.cu"
 #include "q8_cuda_step_3.cu"
+#include "q8_cuda_step_4.cu"
+#include "q8_cuda_step_5.cu"
+#include "q8_cuda_step_6.cu"
+#include "q8_cuda_step_7.cu"
 
 extern "C" __attribute__((visibility("default"))) int64_t q8sim_stat(int what) { return q8sim::stat(what); }

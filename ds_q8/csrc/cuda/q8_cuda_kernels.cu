@@ -101,9 +101,10 @@ __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict
 void cuda_step_many(const StepBatch& b, const std::map<std::string, double>& hyper) {
     if (b.params.empty()) return;
     const c10::cuda::CUDAGuard guard(b.params[0].device());
-    static_assert(kStepParts == 4, "one call per part");
+    static_assert(kStepParts == 8, "one call per part");
     if (step_in_part<0>(b, hyper) || step_in_part<1>(b, hyper) || step_in_part<2>(b, hyper) ||
-        step_in_part<3>(b, hyper))
+        step_in_part<3>(b, hyper) || step_in_part<4>(b, hyper) || step_in_part<5>(b, hyper) ||
+        step_in_part<6>(b, hyper) || step_in_part<7>(b, hyper))
         return;
     TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", b.rule, "'");
 }

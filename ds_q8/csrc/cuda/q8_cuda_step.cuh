@@ -47,13 +47,17 @@ namespace ds_q8 {
 // The rules' launchers are spread over kStepParts translation units, q8_cuda_step_<n>.cu, so that a
 // build compiles them side by side: the rule at place i of Q8_RULES lives in part i % kStepParts. Each
 // returns whether the batch's rule is one of its part's (and launched it).
-constexpr int kStepParts = 4;
+constexpr int kStepParts = 8;
 template <int Part>
 bool step_in_part(const StepBatch& b, const std::map<std::string, double>& hyper);
 template <> bool step_in_part<0>(const StepBatch& b, const std::map<std::string, double>& hyper);
 template <> bool step_in_part<1>(const StepBatch& b, const std::map<std::string, double>& hyper);
 template <> bool step_in_part<2>(const StepBatch& b, const std::map<std::string, double>& hyper);
 template <> bool step_in_part<3>(const StepBatch& b, const std::map<std::string, double>& hyper);
+template <> bool step_in_part<4>(const StepBatch& b, const std::map<std::string, double>& hyper);
+template <> bool step_in_part<5>(const StepBatch& b, const std::map<std::string, double>& hyper);
+template <> bool step_in_part<6>(const StepBatch& b, const std::map<std::string, double>& hyper);
+template <> bool step_in_part<7>(const StepBatch& b, const std::map<std::string, double>& hyper);
 
 namespace {
 
@@ -192,20 +196,19 @@ __device__ __forceinline__ GuidedChoice guided_choice(const FloorTable& t, float
 }
 
 // The 8 codes of a thread's values of state k, guided (q8_round_guided) by their values before the
-// update: the nearer entry kept where it moves the value from prev the way x moved (q8_guided_keep),
+// update, prev: the nearer entry kept where it moves the value from prev the way x moved (q8_guided_keep),
 // else stochastic rounding between F and F + 1; then the zero point of a positive map (where the pair
 // table's zero-point gap of 0 gives the same codes as the map's gap). A finite block's values are finite.
 template <bool kPositive>
 __device__ __forceinline__ void requantize_guided(const FloorTable& t, const float (&x)[kElems],
-                                                  const uint32_t (&old)[2], float old_absmax, float scale, float absmax,
+                                                  const float (&prev)[kElems], float scale, float absmax,
                                                   uint32_t key, uint32_t index, uint32_t (&idx)[kElems]) {
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
         const float y = table_scaled(x[i], scale);
         const GuidedChoice c = guided_choice<kPositive>(t, y, q8_sr_bits(key, index + i));
-        const float prev = t.code[old_code(old, i)] * old_absmax;  // the dequantized value, as loaded
         const float nearer = t.code[c.f + (c.near_up ? 1u : 0u)];
-        const bool up = q8_guided_keep(x[i], prev, nearer * absmax) ? c.near_up : c.draw_up;
+        const bool up = q8_guided_keep(x[i], prev[i], nearer * absmax) ? c.near_up : c.draw_up;
         idx[i] = c.f + (up ? 1u : 0u);
         if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
     }
@@ -229,10 +232,10 @@ __device__ __forceinline__ void requantize_guided_code(const FloorTable& t, cons
 
 // The exact path: any value (NaN, infinity, beyond the table's range), through the lookup table.
 __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint32_t* lookup, float x, float scale,
-                                                int mode, uint32_t r, uint32_t old, float old_absmax, float absmax) {
+                                                int mode, uint32_t r, uint32_t old, float prev, float absmax) {
     const float y = x * scale;
     const uint32_t n = q8_quantize_scaled(y, lookup);
-    if (mode == Q8_ROUND_GUIDED) return q8_round_guided(y, n, t.code, r, x, t.code[old] * old_absmax, absmax);
+    if (mode == Q8_ROUND_GUIDED) return q8_round_guided(y, n, t.code, r, x, prev, absmax);
     if (mode == Q8_ROUND_GUIDED_CODE) return q8_round_guided_code(y, n, t.code, r, old);
     return mode == Q8_ROUND_STOCHASTIC ? q8_round_stochastic(y, n, t.code, r) : n;
 }
@@ -244,9 +247,22 @@ __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint3
 // maximum is not finite takes the exact path, as does a map without a table.
 constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
 
-template <class Rule, class P, class G>
+// kGuided: the default's rounding (state_rounding="guided": signed states guided by their update, unsigned
+// ones by their old code; guided_modes) fixed at compile time, so that the kernel holds that rounding's
+// code alone; every other choice runs the kernel that reads each state's from the list.
+template <class Rule>
+__host__ __device__ constexpr int guided_mode(int k) {
+    return ((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE;
+}
+
+template <class Rule, class P, class G, bool kGuided>
 __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
+    // whether guided requantization keeps a signed state's values before the update in registers (6.6
+    // instructions an element fewer than dequantizing them again) or dequantizes them again from the old
+    // codes: the default's kernels keep them, but those of fp16 parameters have no registers to spare
+    // (launch/ptxas_report.py: they would spill)
+    constexpr bool kKeepPrev = kGuided && !std::is_same<P, q8_half>::value;
     if (list_skipped(list)) return;
     Q8_DYNAMIC_SHARED(FloorTable, tab);  // K tables
     __shared__ uint32_t red[1024 / 32];
@@ -267,13 +283,15 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
         int8_t* corr = a.correction ? a.correction + start : nullptr;
 
         float p[kElems], g[kElems], s[K][kElems];
-        uint32_t old[K][2];  // each state's old codes, packed: guided requantization reads them
-        float old_absmax[K];
+        // what guided requantization reads: each state's old codes, packed, and block maximum, from which
+        // its values before the update (prev) are dequantized again; a signed state's prev kept (kKeepPrev)
+        uint32_t old[K][2];
+        float prev[K][kElems], old_absmax[K];
 #pragma unroll
         for (int i = 0; i < kElems; ++i) {
             p[i] = g[i] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
+            for (int k = 0; k < K; ++k) s[k][i] = prev[k][i] = 0.0f;
         }
 #pragma unroll
         for (int k = 0; k < K; ++k) old[k][0] = old[k][1] = 0u, old_absmax[k] = 0.0f;
@@ -287,6 +305,10 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
                 const float am = q8_absmax_load(a.absmax[k][qblock]);
 #pragma unroll
                 for (int i = 0; i < kElems; ++i) s[k][i] = tab[k].code[c[i]] * am;
+                if (kKeepPrev && ((Rule::kSigned >> k) & 1u)) {
+#pragma unroll
+                    for (int i = 0; i < kElems; ++i) prev[k][i] = s[k][i];
+                }
                 old[k][0] = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
                 old[k][1] = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
                 old_absmax[k] = am;
@@ -316,7 +338,8 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             if ((threadIdx.x & (T - 1)) == 0) a.absmax[k][qblock] = stored;
             const float absmax = q8_absmax_load(stored);
             const float scale = q8_block_scale(absmax);
-            const int mode = list.stochastic_states[k];
+            const int listed = list.stochastic_states[k];
+            const int mode = kGuided ? guided_mode<Rule>(k) : listed;
             const bool sr = mode == Q8_ROUND_STOCHASTIC;
             const uint32_t key = q8_state_key(a.sr_key, k);
             const uint32_t index = (uint32_t)(a.sr_index + start);
@@ -324,9 +347,13 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             // the state's kind of map is the rule's (kSigned); a map of the other kind takes the exact path
             const bool positive = ((Rule::kSigned >> k) & 1u) == 0u;
             const bool fast = table[k] && maxbits < 0x7F800000u && (tab[k].positive_only != 0u) == positive;
+            if ((positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {  // prev dequantized again
+#pragma unroll
+                for (int i = 0; i < kElems; ++i) prev[k][i] = tab[k].code[old_code(old[k], i)] * old_absmax[k];
+            }
             if (fast && mode == Q8_ROUND_GUIDED) {
-                if (positive) requantize_guided<true>(tab[k], s[k], old[k], old_absmax[k], scale, absmax, key, index, idx);
-                else requantize_guided<false>(tab[k], s[k], old[k], old_absmax[k], scale, absmax, key, index, idx);
+                if (positive) requantize_guided<true>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
+                else requantize_guided<false>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
             } else if (fast && mode == Q8_ROUND_GUIDED_CODE) {
                 if (positive) requantize_guided_code<true>(tab[k], s[k], old[k], scale, key, index, idx);
                 else requantize_guided_code<false>(tab[k], s[k], old[k], scale, key, index, idx);
@@ -341,7 +368,7 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
                 for (int i = 0; i < kElems; ++i)
                     idx[i] = round_exact(tab[k], list.lookup[k], s[k][i], scale, mode,
                                          mode != Q8_ROUND_NEAREST ? q8_sr_bits(key, index + i) : 0u,
-                                         old_code(old[k], i), old_absmax[k], absmax);
+                                         old_code(old[k], i), prev[k][i], absmax);
             }
             store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
             if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on

@@ -135,7 +135,10 @@ void launch_step(const StepBatch& b, const Rule& rule) {
         list.code[k] = b.maps[k].data_ptr<float>();
         list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
     }
-    launch_lists(b, list, step_kernel<Rule, P, G>, rule, threads, K * sizeof(FloorTable));
+    bool guided = true;  // the default's rounding: its own kernel (step_kernel's kGuided)
+    for (int k = 0; k < K; ++k) guided = guided && list.stochastic_states[k] == guided_mode<Rule>(k);
+    if (guided) launch_lists(b, list, step_kernel<Rule, P, G, true>, rule, threads, K * sizeof(FloorTable));
+    else launch_lists(b, list, step_kernel<Rule, P, G, false>, rule, threads, K * sizeof(FloorTable));
 }
 
 
