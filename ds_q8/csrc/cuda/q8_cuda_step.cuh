@@ -248,7 +248,7 @@ __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint3
 constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
 
 // kGuided: the default's rounding (state_rounding="guided": signed states guided by their update, unsigned
-// ones by their old code; guided_modes) fixed at compile time, so that the kernel holds that rounding's
+// ones by their old code; guided_mode) fixed at compile time, so that the kernel holds that rounding's
 // code alone; every other choice runs the kernel that reads each state's from the list.
 template <class Rule>
 __host__ __device__ constexpr int guided_mode(int k) {
