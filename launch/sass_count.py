@@ -23,6 +23,7 @@ side by side:
     python launch/sass_count.py                        # this tree, AdamW
     python launch/sass_count.py --rev 103f9e4 --rev tree --json out/sass.json
     python launch/sass_count.py --rev 84d1199@stochastic --rev tree@stochastic --rev tree@guided
+    python launch/sass_count.py --rev 84d1199 --rev tree --through stochastic   # what state_rounding="stochastic" runs
 
 A static count over one path, not a measurement: Nsight Compute on a GPU counts what runs
 (launch/gpu_check.sh's profile stage).
@@ -38,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "launch"))
@@ -70,6 +71,15 @@ COLD = [
     ("if ((threadIdx.x & 31) == 0) red[warp] = local;", "line"),
     ("for (int w = 1; w < warps; ++w)", "line"),
     ("__syncthreads();  // `red` is reused by the next reduction", "line"),
+]
+
+#: --through stochastic: the run-time kernel's path through stochastic rounding, the guided roundings'
+#: requantization (which the path would otherwise take, being the longest) counted as cold. The default's
+#: own kernel (kGuided) has no such path; revisions before guided rounding match none of these lines.
+GUIDED_COLD = [
+    ("requantize_guided<true>(", "line"), ("requantize_guided<false>(", "line"),
+    ("requantize_guided_code<true>(", "line"), ("requantize_guided_code<false>(", "line"),
+    ("if ((positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {", "block"),
 ]
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -158,12 +168,12 @@ def disassemble(csrc: str, arch: str, tmp: str) -> Tuple[str, str]:
     return "\n".join(text), log
 
 
-def cold_lines(path: str) -> set:
-    """Line numbers of ``path`` that are off the common path (COLD)."""
+def cold_lines(path: str, extra: Sequence[Tuple[str, str]] = ()) -> set:
+    """Line numbers of ``path`` that are off the common path (COLD, and ``extra`` of the same form)."""
     lines = open(path).read().split("\n")
     cold = set()
     for i, text in enumerate(lines, start=1):
-        for snippet, kind in COLD:
+        for snippet, kind in list(COLD) + list(extra):
             if snippet not in text:
                 continue
             if kind == "line":
@@ -309,8 +319,9 @@ def loop_line_of(csrc: str) -> Optional[Tuple[str, int]]:
     return None
 
 
-def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str) -> List[Dict]:
-    """The rows of ``spec``: a git revision or "tree", with "@rounding" to fix the rounding (ROUNDINGS)."""
+def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str, through: Optional[str] = None) -> List[Dict]:
+    """The rows of ``spec``: a git revision or "tree", with "@rounding" to fix the rounding (ROUNDINGS);
+    ``through="stochastic"``: the path through stochastic rounding (GUIDED_COLD)."""
     name, _, rounding = spec.partition("@")
     if rounding and rounding not in ROUNDINGS:
         raise SystemExit(f"--rev {spec!r}: the rounding after '@' must be one of {sorted(ROUNDINGS)}")
@@ -328,7 +339,7 @@ def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str) -> Lis
         for name in names:
             if name.endswith((".cu", ".h", ".cuh")):
                 path = os.path.join(dirpath, name)
-                cold[path] = cold_lines(path)
+                cold[path] = cold_lines(path, GUIDED_COLD if through == "stochastic" else ())
     loop = loop_line_of(csrc)
     rows = []
     for mangled, instrs in functions(dis).items():
@@ -353,6 +364,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rules", default="adamw", help="comma-separated rules to compile (default adamw)")
     ap.add_argument("--kernels", default=r"^void step_kernel<AdamRule<true>, (float, float|q8_bf16, q8_bf16)(, \w+)?>",
                     help="regular expression on the demangled kernel names to report")
+    ap.add_argument("--through", choices=["stochastic"], help="in kernels that read the rounding at run time, "
+                    "count the path through stochastic rounding (the guided roundings' lines cold)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"\d{2,3}", args.arch):
@@ -360,7 +373,7 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for rev in args.rev or ["tree"]:
-            rows += measure(rev, args.arch, args.rules.split(","), args.kernels, tmp)
+            rows += measure(rev, args.arch, args.rules.split(","), args.kernels, tmp, args.through)
     if not rows:
         print(f"no kernel matches {args.kernels!r}", file=sys.stderr)
         return 1
@@ -373,7 +386,7 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"arch": args.arch, "rows": rows}, f, indent=1)
+            json.dump({"arch": args.arch, "through": args.through, "rows": rows}, f, indent=1)
     return 0
 
 

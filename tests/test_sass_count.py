@@ -86,3 +86,16 @@ def test_a_fixed_rounding_makes_each_states_mode_a_constant(tmp_path):
         sass_count.fix_rounding(csrc, "stochastic")
     with pytest.raises(SystemExit, match="must be one of"):
         sass_count.measure("tree@sometimes", "90", ["adamw"], ".", str(tmp_path))
+
+
+def test_through_stochastic_makes_the_guided_requantization_cold(tmp_path):
+    csrc = sass_count.sources(None, str(tmp_path), ["adamw"])
+    path = os.path.join(csrc, "cuda", "q8_cuda_step.cuh")
+    lines = open(path).read().split("\n")
+    guided = [i for i, l in enumerate(lines, start=1) if "requantize_guided<true>(tab[k]" in l]
+    assert guided, "the step kernel no longer calls requantize_guided as GUIDED_COLD expects"
+    plain, through = sass_count.cold_lines(path), sass_count.cold_lines(path, sass_count.GUIDED_COLD)
+    assert plain < through and all(i in through and i not in plain for i in guided)
+    # the stochastic requantization stays on the path either way
+    stochastic = [i for i, l in enumerate(lines, start=1) if "requantize_stochastic<true>(tab[k]" in l]
+    assert stochastic and not any(i in through for i in stochastic)
