@@ -79,7 +79,7 @@ COLD = [
 GUIDED_COLD = [
     ("requantize_guided<true>(", "line"), ("requantize_guided<false>(", "line"),
     ("requantize_guided_code<true>(", "line"), ("requantize_guided_code<false>(", "line"),
-    ("if ((positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {", "block"),
+    ("(positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {", "block"),
 ]
 
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")

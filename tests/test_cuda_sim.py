@@ -303,6 +303,21 @@ def test_unsupported_dtype_pair_is_refused(sim):
         sim.step_many("adamw", p, [x.half() for x in g], s, a, maps, lookups, 256, hyper, [], [])
 
 
+def test_guided_rounding_outside_the_defaults_pairing_is_refused(sim):
+    """The CUDA step takes guided rounding as state_rounding="guided" pairs it (signed states 2, unsigned 3)
+    and nearest or stochastic in any mix; other pairings get an error naming the field, and write nothing."""
+    p, g, s, a, maps, lookups, hyper = _lists(sim, [300, 70])
+    keys, index = [11, 12], [0, 0]
+    before = _flat(p, s, a)
+    for states in ([2, 2], [3, 3], [3, 2], [2, 0], [1, 3]):
+        with pytest.raises(ValueError, match="stochastic_states: the CUDA step takes guided rounding only"):
+            sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
+    for x, y in zip(_flat(p, s, a), before):
+        assert_same_bits(x, y, "refused step")
+    for states in ([2, 3], [1, 0], [0, 1], [1, 1], [0, 0]):  # adamw: m signed, v unsigned
+        sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
+
+
 def test_telemetry_sums_match_the_cpu_op(sim):
     """The kernels' requantization error sums (atomicAdd of doubles) against the CPU op's."""
     sizes = sizes_of(256)

@@ -249,7 +249,8 @@ constexpr int kStepThreads = 256;  // CUDA block size unless a quantization bloc
 
 // kGuided: the default's rounding (state_rounding="guided": signed states guided by their update, unsigned
 // ones by their old code; guided_mode) fixed at compile time, so that the kernel holds that rounding's
-// code alone; every other choice runs the kernel that reads each state's from the list.
+// code alone. The other kernel reads each state's rounding from the list, nearest or stochastic only
+// (the launcher refuses guided rounding in any other pairing): it keeps no old codes.
 template <class Rule>
 __host__ __device__ constexpr int guided_mode(int k) {
     return ((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE;
@@ -283,8 +284,8 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
         int8_t* corr = a.correction ? a.correction + start : nullptr;
 
         float p[kElems], g[kElems], s[K][kElems];
-        // what guided requantization reads: each state's old codes, packed, and block maximum, from which
-        // its values before the update (prev) are dequantized again; a signed state's prev kept (kKeepPrev)
+        // what guided requantization reads (kGuided): each state's old codes, packed, and block maximum, from
+        // which its values before the update (prev) are dequantized again; a signed state's prev kept (kKeepPrev)
         uint32_t old[K][2];
         float prev[K][kElems], old_absmax[K];
 #pragma unroll
@@ -309,9 +310,11 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
 #pragma unroll
                     for (int i = 0; i < kElems; ++i) prev[k][i] = s[k][i];
                 }
-                old[k][0] = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
-                old[k][1] = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
-                old_absmax[k] = am;
+                if (kGuided) {
+                    old[k][0] = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
+                    old[k][1] = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
+                    old_absmax[k] = am;
+                }
             }
             apply_rule(rule, p, g, s);
             store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
@@ -347,14 +350,14 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             // the state's kind of map is the rule's (kSigned); a map of the other kind takes the exact path
             const bool positive = ((Rule::kSigned >> k) & 1u) == 0u;
             const bool fast = table[k] && maxbits < 0x7F800000u && (tab[k].positive_only != 0u) == positive;
-            if ((positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {  // prev dequantized again
+            if (kGuided && (positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {  // prev again
 #pragma unroll
                 for (int i = 0; i < kElems; ++i) prev[k][i] = tab[k].code[old_code(old[k], i)] * old_absmax[k];
             }
-            if (fast && mode == Q8_ROUND_GUIDED) {
+            if (kGuided && fast && mode == Q8_ROUND_GUIDED) {
                 if (positive) requantize_guided<true>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
                 else requantize_guided<false>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
-            } else if (fast && mode == Q8_ROUND_GUIDED_CODE) {
+            } else if (kGuided && fast && mode == Q8_ROUND_GUIDED_CODE) {
                 if (positive) requantize_guided_code<true>(tab[k], s[k], old[k], scale, key, index, idx);
                 else requantize_guided_code<false>(tab[k], s[k], old[k], scale, key, index, idx);
             } else if (fast && sr) {

@@ -135,8 +135,15 @@ void launch_step(const StepBatch& b, const Rule& rule) {
         list.code[k] = b.maps[k].data_ptr<float>();
         list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
     }
-    bool guided = true;  // the default's rounding: its own kernel (step_kernel's kGuided)
-    for (int k = 0; k < K; ++k) guided = guided && list.stochastic_states[k] == guided_mode<Rule>(k);
+    bool guided = true, any_guided = false;  // the default's rounding: its own kernel (step_kernel's kGuided)
+    for (int k = 0; k < K; ++k) {
+        guided = guided && list.stochastic_states[k] == guided_mode<Rule>(k);
+        any_guided = any_guided || list.stochastic_states[k] >= Q8_ROUND_GUIDED;
+    }
+    TORCH_CHECK_VALUE(guided || !any_guided, "stochastic_states: the CUDA step takes guided rounding only as "
+                      "state_rounding=\"guided\" pairs it (", Q8_ROUND_GUIDED, " for signed states, ",
+                      Q8_ROUND_GUIDED_CODE, " for unsigned ones, every state guided); mix nearest (",
+                      Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
     if (guided) launch_lists(b, list, step_kernel<Rule, P, G, true>, rule, threads, K * sizeof(FloorTable));
     else launch_lists(b, list, step_kernel<Rule, P, G, false>, rule, threads, K * sizeof(FloorTable));
 }
