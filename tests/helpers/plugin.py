@@ -45,7 +45,8 @@ def _gpu() -> bool:
 #: ``pytest -n N --dist loadfile`` (make test) a worker takes a module whole, in collection order, so the
 #: long ones start at once and the many short ones fill the other workers instead of trailing behind
 FIRST_MODULES = ("test_cuda_sim.py", "test_zero_invariance.py", "test_fidelity.py", "test_cuda_build.py",
-                 "test_deepspeed_checkpoint.py", "test_multinode.py", "test_fast_search_scalar.py")
+                 "test_deepspeed_checkpoint.py", "test_multinode.py", "test_fast_search_scalar.py",
+                 "test_avx512_emulated.py")
 
 
 def _module_rank(item) -> int:

@@ -369,15 +369,4 @@ struct Avx2 : PerVectorBlocks<Avx2> {
 
 Q8_DEFINE_ISA(avx2, Avx2)
 
-namespace ds_q8 {
-void requantize_guided_avx2(uint8_t* out, const float* x, int len, const float* absmax, int bs, const uint32_t* lookup,
-                            const float* code, uint32_t key, uint32_t first, const FloorMap* floor, const float* prev,
-                            bool by_code) {
-    const Avx2::Table table = code;
-    const Stochastic<Avx2::Table> sr{&table, code, key, first, floor, prev, by_code};
-    Avx2::requantize_blocks(out, x, len, absmax, bs, lookup, nullptr, &sr);
-}
-
-}  // namespace ds_q8
-
 #pragma GCC pop_options

@@ -4,18 +4,23 @@
 // which are slow on some CPUs (about 1.2 cycles per element on AMD Zen 4).
 // System headers come before the target pragma; the project's headers come after it and give their
 // helpers internal linkage, so this file's AVX-512 copies never replace another file's.
+#ifdef Q8_EMULATE_AVX512
+#include "q8_avx512_emulation.h"  // tests only: SIMDe's AVX-512 on any AVX2 CPU
+#else
 #include <immintrin.h>
+#endif
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#ifndef Q8_EMULATE_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")
+#endif
 
 #include "q8_avx512_vectors.h"
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"  // Stochastic (this file writes its block functions itself)
-#include "q8_cpu_api.h"     // requantize_guided_avx2
 #include "q8_fastmap.h"
 
 namespace ds_q8 {
@@ -122,11 +127,6 @@ struct Avx512 : Avx512Vectors {
     // quantize() and is rounded stochastically from memory.
     static void requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs,
                                   const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
-        if (sr && (sr->prev || sr->by_code)) {  // guided requantization: the AVX2 driver's, which an AVX-512 CPU runs
-            requantize_guided_avx2(out, x, len, absmax, bs, lookup, sr->code, sr->key, sr->first, sr->floor, sr->prev,
-                                   sr->by_code);
-            return;
-        }
         if (fast && fast->is_signed) return requantize<1>(out, x, len, absmax, bs, lookup, fast, sr);
         if (fast) return requantize<0>(out, x, len, absmax, bs, lookup, fast, sr);
         requantize<-1>(out, x, len, absmax, bs, lookup, nullptr, sr);
@@ -148,14 +148,18 @@ struct Avx512 : Avx512Vectors {
     // kSearch: 1 / 0 the segment search of a signed / unsigned map, -1 the lookup table. Two passes,
     // the nearest codes and then their stochastic rounding: one fused pass needs more than the 32
     // vector registers (the segment tables and the map's byte planes) and measured slower.
+    // Guided by the old codes (sr->by_code), those the nearest codes overwrite are kept first.
     template <int kSearch>
     static void requantize(uint8_t* out, const float* x, int len, const float* absmax, int bs,
                            const uint32_t* lookup, const FastMap* fast, const Stochastic<Table>* sr) {
         const int nb = (len + bs - 1) / bs;
         alignas(64) float scales[kMaxScales];
+        alignas(64) uint8_t old[Q8_MAX_BLOCK];  // a step's call covers one tile or one block, at most this
+        const bool by_code = sr && sr->by_code;
+        if (by_code) memcpy(old, out, (size_t)len);
         block_scales(absmax, nb, scales);
         nearest<kSearch>(out, x, len, absmax, scales, bs, lookup, fast);
-        if (sr) round_stochastic(out, x, len, scales, bs, *sr);
+        if (sr) round_stochastic(out, x, len, absmax, scales, bs, *sr, by_code ? old : nullptr);
     }
 
     template <int kSearch>
@@ -181,17 +185,31 @@ struct Avx512 : Avx512Vectors {
         }
     }
 
-    // The nearest codes of x in `codes` turned into stochastically rounded ones, 64 at a time.
-    static void round_stochastic(uint8_t* codes, const float* x, int len, const float* scales, int bs,
-                                 const Stochastic<Table>& sr) {
+    // The nearest codes of x in `codes` turned into stochastically rounded ones, 64 at a time: guided by
+    // the values before the update (sr.prev) or by the old codes (`old`) where either is given.
+    static void round_stochastic(uint8_t* codes, const float* x, int len, const float* absmax, const float* scales,
+                                 int bs, const Stochastic<Table>& sr, const uint8_t* old) {
         const SrRegs g = sr_regs(sr);
-        __m512 vscale = _mm512_setzero_ps();
+        __m512 vscale = _mm512_setzero_ps(), vA = _mm512_setzero_ps();
         for (int i = 0, j = -1, next = 0; i < len; i += 64) {
-            if (i >= next) vscale = _mm512_set1_ps(scales[++j]), next += bs;  // the next block starts here
+            if (i >= next) {  // the next block starts here
+                ++j, next += bs;
+                vscale = _mm512_set1_ps(scales[j]), vA = _mm512_set1_ps(absmax[j]);
+            }
             const int cnt = len - i;
             const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
             const __m512i n = _mm512_maskz_loadu_epi8(live, codes + i);
-            _mm512_mask_storeu_epi8(codes + i, live, stochastic64(n, x + i, vscale, sr, g, (uint32_t)i));
+            __m512i idx;
+            if (sr.prev) {
+                const Guide guide{vA, sr.prev + i, _mm512_setzero_si512()};
+                idx = stochastic64<kByUpdate>(n, x + i, vscale, sr, g, (uint32_t)i, guide);
+            } else if (old) {
+                const Guide guide{vA, nullptr, _mm512_maskz_loadu_epi8(live, old + i)};
+                idx = stochastic64<kByCode>(n, x + i, vscale, sr, g, (uint32_t)i, guide);
+            } else {
+                idx = stochastic64<kUnguided>(n, x + i, vscale, sr, g, (uint32_t)i, Guide{});
+            }
+            _mm512_mask_storeu_epi8(codes + i, live, idx);
         }
     }
 
@@ -219,11 +237,23 @@ struct Avx512 : Avx512Vectors {
                       _mm512_set1_epi32((int)sr.key), sr.code[0] == 0.0f};
     }
 
+    // What guided rounding reads besides the values (q8_round_guided, q8_round_guided_code): the block's
+    // stored maximum, each value before the update (kByUpdate) or each old code (kByCode).
+    enum GuideKind { kUnguided, kByUpdate, kByCode };
+    struct Guide {
+        __m512 absmax;
+        const float* prev;
+        __m512i old;
+    };
+
     // q8_round_stochastic on 64 values x[0..64) (scaled by vscale) whose nearest codes are n, the
     // first of them element `at` of the call (its random bits: sr.first + at + lane); the map entries
-    // around each come from the byte planes of the dequantization table (no gathers).
+    // around each come from the byte planes of the dequantization table (no gathers). Guided (kGuide), the
+    // nearer of the two entries replaces the stochastic one where the rule keeps it: by the update, where
+    // it moves the value from prev the way x moved; by the code, where the old code is neither entry.
+    template <GuideKind kGuide>
     static __m512i stochastic64(__m512i n, const float* x, __m512 vscale, const Stochastic<Table>& sr,
-                                const SrRegs& g, uint32_t at) {
+                                const SrRegs& g, uint32_t at, const Guide& guide) {
         const __m512 one_f = _mm512_set1_ps(1.0f);
         const __m512i ones8 = _mm512_set1_epi8(1);
         const Table& t = *sr.table;
@@ -238,19 +268,35 @@ struct Avx512 : Avx512Vectors {
         const __m512i nb = _mm512_mask_blend_epi8(up64, _mm512_subs_epu8(n, ones8), _mm512_adds_epu8(n, ones8));
         __m512 cn[4];
         values64(cn, nb, t, one_f);
+        const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
+        // by the code: the lanes that draw, whose old code is one of the two entries
+        const __mmask64 draws = kGuide == kByCode ? _mm512_cmpeq_epi8_mask(guide.old, lo) | _mm512_cmpeq_epi8_mask(guide.old, hi)
+                                                  : (__mmask64)0;
         __mmask16 pick[4], pos[4], nan[4];
         for (int q = 0; q < 4; ++q) {
             const __m512 c_lo = _mm512_mask_blend_ps(up[q], cn[q], c[q]);
             const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
+            const __m512 gap = _mm512_sub_ps(c_hi, c_lo), above = _mm512_sub_ps(y[q], c_lo);
             const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(sr.first + at + (uint32_t)(16 * q))), g.iota);
             const __m512i r = mix32(_mm512_xor_si512(index, g.vkey));
             const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
-            pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, _mm512_sub_ps(c_hi, c_lo)), _mm512_sub_ps(y[q], c_lo),
-                                         _CMP_LT_OQ);
+            pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, gap), above, _CMP_LT_OQ);
+            if (kGuide != kUnguided) {
+                const __mmask16 near_up = _mm512_cmp_ps_mask(_mm512_mul_ps(gap, _mm512_set1_ps(0.5f)), above, _CMP_LT_OQ);
+                __mmask16 keep;  // the lanes that take the nearer entry
+                if (kGuide == kByUpdate) {
+                    const __m512 moved = _mm512_mul_ps(_mm512_mask_blend_ps(near_up, c_lo, c_hi), guide.absmax);
+                    const __m512 prev = _mm512_load_ps(guide.prev + 16 * q), xv = _mm512_load_ps(x + 16 * q);
+                    keep = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(moved, prev), _mm512_sub_ps(xv, prev)),
+                                              _mm512_setzero_ps(), _CMP_GT_OQ);
+                } else {
+                    keep = (__mmask16)~(draws >> (16 * q));
+                }
+                pick[q] = (__mmask16)((keep & near_up) | (~keep & pick[q]));
+            }
             pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
             nan[q] = _mm512_cmp_ps_mask(y[q], y[q], _CMP_UNORD_Q);
         }
-        const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
         __m512i idx = _mm512_mask_blend_epi8(join(pick), lo, hi);
         if (g.unsigned_map) idx = _mm512_mask_max_epu8(idx, join(pos), idx, ones8);  // the zero point
         return _mm512_mask_mov_epi8(idx, join(nan), _mm512_set1_epi8((char)255));
@@ -299,4 +345,6 @@ int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, 
 }  // namespace ds_q8
 #endif
 
+#ifndef Q8_EMULATE_AVX512
 #pragma GCC pop_options
+#endif

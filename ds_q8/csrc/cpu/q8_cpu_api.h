@@ -79,14 +79,6 @@ Q8_DECLARE_ISA(avx512)
 Q8_DECLARE_ISA(avx2)
 Q8_DECLARE_ISA(scalar)
 
-// Guided requantization (q8_round_guided) of a step's tile by the AVX2 driver, which the AVX-512 one
-// calls: len values in blocks of bs scaled by their stored maxima, the map, its lookup and floor tables
-// (or null), the state's key, the index of x[0] in its parameter, and the values before the update
-// (q8_round_guided) or by_code (q8_round_guided_code: `out` holds the old codes).
-void requantize_guided_avx2(uint8_t* out, const float* x, int len, const float* absmax, int bs, const uint32_t* lookup,
-                            const float* code, uint32_t key, uint32_t first, const FloorMap* floor, const float* prev,
-                            bool by_code);
-
 // Test probe of the AVX-512 segment search, compiled with Q8_PROBES only (tests/csrc/q8_probe.cpp):
 // mismatches against the lookup table over every float in [-limit, limit] (scaled values, so limit
 // is a little above 1).

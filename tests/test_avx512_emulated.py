@@ -1,0 +1,33 @@
+"""The AVX-512 kernels' bits on a CPU without AVX-512: the CPU op built with ``DS_Q8_EMULATE_AVX512=1``
+runs isa_avx512.cpp on SIMDe's emulation of its instructions (``csrc/cpu/q8_avx512_emulation.h``), and
+the tests that compare every instruction set with the reference run again in a child process, where
+"avx512" is one of them. Needs SIMDe's headers (``apt install libsimde-dev``); a CPU with AVX-512 runs
+those tests natively instead."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers.isa import ISAS
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"
+
+#: the tests whose avx512 cases run emulated: the step (every rule, dtype and state rounding, the guided
+#: default included, at the maps' edges), quantize/dequantize, and the segment search of the nearest codes
+SELECTED = ["test_state_rounding.py", "test_kernels.py", "test_fast_search.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx512" in ISAS, reason="this CPU runs the AVX-512 kernels natively in the other tests")
+@pytest.mark.skipif(not os.path.exists(SIMDE_HEADER), reason=f"SIMDe's headers ({SIMDE_HEADER}) are not installed")
+def test_avx512_kernels_match_the_reference_under_emulation():
+    env = dict(os.environ, DS_Q8_EMULATE_AVX512="1", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "avx512 or fast_search",
+           *[os.path.join(TESTS, f) for f in SELECTED]]
+    out = subprocess.run(cmd, cwd=TESTS, env=env, capture_output=True, text=True, timeout=1800)
+    tail = (out.stdout + out.stderr)[-4000:]
+    assert out.returncode == 0, tail
+    summary = out.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and "skipped" not in summary, tail
