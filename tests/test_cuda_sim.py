@@ -318,6 +318,22 @@ def test_guided_rounding_outside_the_defaults_pairing_is_refused(sim):
         sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_guided_default_runs_its_own_kernel(sim, dtype):
+    """state_rounding="guided" (the default) launches step_kernel's kGuided instance, every other rounding
+    the kernel that reads it at run time: both give the reference's bits, so only the launch tells them
+    apart."""
+    name = "fp32" if dtype == torch.float32 else "bf16"
+    for rounding, kernel in (("guided", "guided"), ("stochastic", "run-time"), ("nearest", "run-time"),
+                             ("stochastic_unsigned", "run-time")):
+        ours, reference = run_pair(sim, ds_q8.AdamW8bitBlock, dict(state_rounding=rounding), [3 * 256 + 7], dtype,
+                                   steps=2)
+        assert sim_op.last_kernel_is(sim, f"adamw {name} {kernel}"), rounding
+        other = "run-time" if kernel == "guided" else "guided"
+        assert not sim_op.last_kernel_is(sim, f"adamw {name} {other}"), rounding
+        assert_same(ours, reference, rounding)
+
+
 def test_telemetry_sums_match_the_cpu_op(sim):
     """The kernels' requantization error sums (atomicAdd of doubles) against the CPU op's."""
     sizes = sizes_of(256)

@@ -161,8 +161,15 @@ inline thread_local int thread_id = 0;
 // Counters the tests read through ctypes (q8sim_stat below).
 inline std::mutex stats_mu;
 inline int64_t stat_launches = 0, stat_ctas = 0, stat_last_grid = 0, stat_last_threads = 0;
+inline const void* stat_last_kernel = nullptr;  // the kernel function of the last launch (q8sim_last_kernel_is)
 
-// 0 launches, 1 CTAs, 2 the last grid, 3 the last CTA size (q8sim_stat of kernels.cpp).
+inline void note_kernel(const void* kernel) {
+    std::lock_guard<std::mutex> g(stats_mu);
+    stat_last_kernel = kernel;
+}
+
+// 0 launches, 1 CTAs, 2 the last grid, 3 the last CTA size, 4 the last kernel's address (q8sim_stat of
+// kernels.cpp).
 inline int64_t stat(int what) {
     std::lock_guard<std::mutex> g(stats_mu);
     switch (what) {
@@ -170,6 +177,7 @@ inline int64_t stat(int what) {
         case 1: return stat_ctas;
         case 2: return stat_last_grid;
         case 3: return stat_last_threads;
+        case 4: return reinterpret_cast<int64_t>(stat_last_kernel);
         default: return -1;
     }
 }
@@ -524,8 +532,9 @@ void launch(const char* name, int64_t grid, int64_t threads, size_t smem, Body&&
 #define Q8_SIM_BUG(n) (::q8sim::planted_bug() == (n))
 #define __syncthreads() ::q8sim::syncthreads(__LINE__)
 #define __shfl_xor_sync(...) ::q8sim::shfl_xor(__LINE__, __VA_ARGS__)
-#define Q8_LAUNCH(kernel, grid, threads, smem, stream, ...) \
-    ::q8sim::launch(#kernel, (int64_t)(grid), (int64_t)(threads), (size_t)(smem), [&] { kernel(__VA_ARGS__); })
+#define Q8_LAUNCH(kernel, grid, threads, smem, stream, ...)                                                  \
+    (::q8sim::note_kernel(reinterpret_cast<const void*>(kernel)),                                              \
+     ::q8sim::launch(#kernel, (int64_t)(grid), (int64_t)(threads), (size_t)(smem), [&] { kernel(__VA_ARGS__); }))
 #define Q8_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::q8sim::dynamic_shared())
 
 // The CUDA runtime calls of the launchers, answered for the harness's device.

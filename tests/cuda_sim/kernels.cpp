@@ -14,3 +14,17 @@
 #include "q8_cuda_step_7.cu"
 
 extern "C" __attribute__((visibility("default"))) int64_t q8sim_stat(int what) { return q8sim::stat(what); }
+
+// Whether the last launch ran AdamW's 8-bit step kernel `which`: 0 the guided default's own (kGuided) and 1
+// the one that reads each state's rounding at run time, for fp32 parameters; 2 and 3 the same for bf16.
+extern "C" __attribute__((visibility("default"))) int64_t q8sim_last_kernel_is(int which) {
+    using ds_q8::AdamRule;
+    const void* kernels[] = {
+        reinterpret_cast<const void*>(&ds_q8::step_kernel<AdamRule<true>, float, float, true>),
+        reinterpret_cast<const void*>(&ds_q8::step_kernel<AdamRule<true>, float, float, false>),
+        reinterpret_cast<const void*>(&ds_q8::step_kernel<AdamRule<true>, ds_q8::q8_bf16, ds_q8::q8_bf16, true>),
+        reinterpret_cast<const void*>(&ds_q8::step_kernel<AdamRule<true>, ds_q8::q8_bf16, ds_q8::q8_bf16, false>),
+    };
+    if (which < 0 || which >= 4) return -1;
+    return q8sim::stat(4) == reinterpret_cast<int64_t>(kernels[which]) ? 1 : 0;
+}

@@ -102,6 +102,17 @@ def stat(module, what: str) -> int:
     return int(lib.q8sim_stat(index))
 
 
+#: the kernels q8sim_last_kernel_is (kernels.cpp) knows: AdamW's 8-bit step, by parameter dtype
+STEP_KERNELS = ["adamw fp32 guided", "adamw fp32 run-time", "adamw bf16 guided", "adamw bf16 run-time"]
+
+
+def last_kernel_is(module, kernel: str) -> bool:
+    """Whether the harness's last launch ran ``kernel``, one of :data:`STEP_KERNELS`."""
+    lib = ctypes.CDLL(module.__file__)
+    lib.q8sim_last_kernel_is.restype = ctypes.c_int64
+    return int(lib.q8sim_last_kernel_is(STEP_KERNELS.index(kernel))) == 1
+
+
 def _runtime_loaded(build: str) -> bool:
     with open("/proc/self/maps") as f:
         return RUNTIME[build].split(".")[0] in f.read()
