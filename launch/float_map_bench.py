@@ -9,7 +9,7 @@ AdamW8bitBlock kernel at its defaults (``nonfinite="off"``) and DeepSpeedCPUAdam
   difference (as ``python -m ds_q8.bench``'s in-cache table);
 * the step an offload user runs: 2^25 fp32 parameters on 2 threads.
 
-Besides the probe as described, four variants of it that leave parts out (``VARIANTS``) show what each
+The probe rounds as the op's default does (guided), or stochastically; besides, four variants of it that leave parts out (``VARIANTS``) show what each
 costs: the second path of the evenly spaced low codes (when coding, then also when decoding), one of the
 two hashes, and both hashes.
 
@@ -59,7 +59,8 @@ def check_maps(lib) -> dict:
 
 
 #: the probe's variants (step.cpp's step_block): what each part of its requantization costs
-VARIANTS = {0: "float-coded probe (E3M4 / E4M4, stochastic)",
+VARIANTS = {16: "float-coded probe (E3M4 / E4M4, guided: the default rule)",
+            0: "float-coded probe (E3M4 / E4M4, stochastic)",
             1: "  the same, low codes flushed (no second path)",
             3: "  the same, flushed, one hash for both states",
             5: "  the same, flushed, rounded to nearest (no hash)",
@@ -84,10 +85,10 @@ def probe_step(lib, n: int, threads: int, variant: int = 0):
     return step, (p, m, v)
 
 
-def agreement(lib, n: int = 1 << 16, steps: int = 20) -> dict:
+def agreement(lib, n: int = 1 << 16, steps: int = 20, variant: int = 16) -> dict:
     """The probe's update against torch's AdamW on one parameter, the same gradient every step: the
     cosine of the two updates and the ratio of their norms (a check that it computes AdamW)."""
-    step, (p, _, _) = probe_step(lib, n, 1)
+    step, (p, _, _) = probe_step(lib, n, 1, variant)
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(n, generator=gen)
     q = torch.nn.Parameter(p0.clone())

@@ -103,11 +103,16 @@ struct Hyper {
 // Variants, to see what each part costs: bit 0 kFlush (above); bit 1 one hash for both states (the
 // second moment reuses the first's random bits); bit 2 rounding to nearest (half a unit added instead of
 // random bits: no hash at all); bit 3 codes decoded without their second path (decode_magnitude).
+// Bit 4 (kGuided) rounds as the op's default does (functional.py, state_rounding="guided"): a first
+// moment takes its nearest code where that moves it from its value before the update the way the update
+// did, else the stochastic code; a second moment the stochastic code where its old code is one of the two
+// around it, else the nearest.
 // One block of 64: dequantize both states, the AdamW update, the new maxima, requantize.
 template <int kVariant>
 inline void step_block(float* p, const float* g, uint8_t* m_codes, uint8_t* v_codes, uint16_t* m_max, uint16_t* v_max,
                        const Hyper& h, float step_size, float inv_sqrt_bc2, uint32_t first) {
-    alignas(32) float m_new[kBlock], v_new[kBlock];
+    constexpr bool kGuided = kVariant & 16;
+    alignas(32) float m_new[kBlock], v_new[kBlock], m_prev[kBlock];
     const __m256 m_old_scale = _mm256_set1_ps(bf16_float(*m_max) / top<4>());
     const __m256 v_old_scale = _mm256_set1_ps(bf16_float(*v_max) / top<4>());
     const __m256 b1 = _mm256_set1_ps(h.beta1), nb1 = _mm256_set1_ps(1.0f - h.beta1);
@@ -122,6 +127,7 @@ inline void step_block(float* p, const float* g, uint8_t* m_codes, uint8_t* v_co
         constexpr bool kFlushDecode = kVariant & 8;
         __m256 m = decode_magnitude<3, 4, kFlushDecode>(_mm256_and_si256(mc, _mm256_set1_epi32(0x7F)));
         m = _mm256_mul_ps(_mm256_or_ps(m, _mm256_castsi256_ps(sign)), m_old_scale);
+        if (kGuided) _mm256_store_ps(m_prev + i, m);
         __m256 v = _mm256_mul_ps(decode_magnitude<4, 4, kFlushDecode>(vc), v_old_scale);
         const __m256 gv = _mm256_loadu_ps(g + i);
         m = _mm256_add_ps(_mm256_mul_ps(b1, m), _mm256_mul_ps(nb1, gv));
@@ -139,6 +145,7 @@ inline void step_block(float* p, const float* g, uint8_t* m_codes, uint8_t* v_co
     const float ma = bf16_float(*m_max), va = bf16_float(*v_max);
     const __m256 m_scale = _mm256_set1_ps(ma > 0.0f ? top<4>() / ma : 0.0f);
     const __m256 v_scale = _mm256_set1_ps(va > 0.0f ? top<4>() / va : 0.0f);
+    const __m256 m_unit = _mm256_set1_ps(ma / top<4>());  // a code's value times this: the state's
     const __m256i key_m = _mm256_set1_epi32(0x1234567), key_v = _mm256_set1_epi32(0x7654321);
     __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)first), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     for (int i = 0; i < kBlock; i += 8, index = _mm256_add_epi32(index, _mm256_set1_epi32(8))) {
@@ -148,10 +155,27 @@ inline void step_block(float* p, const float* g, uint8_t* m_codes, uint8_t* v_co
         const __m256i rv = kNearest || kShared ? rm : mix32(_mm256_xor_si256(index, key_v));
         const __m256 m = _mm256_mul_ps(_mm256_load_ps(m_new + i), m_scale);
         const __m256i sign = _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(m), _mm256_set1_epi32((int)0x80000000u)), 24);
-        const __m256i mc = encode_magnitude<3, 4, kFlush>(_mm256_and_ps(m, abs_mask), rm, 127);
+        __m256i mc = encode_magnitude<3, 4, kFlush>(_mm256_and_ps(m, abs_mask), rm, 127);
+        if (kGuided) {
+            const __m256i near = encode_magnitude<3, 4, kFlush>(_mm256_and_ps(m, abs_mask), half, 127);
+            const __m256 moved = _mm256_mul_ps(_mm256_or_ps(decode_magnitude<3, 4>(near), _mm256_castsi256_ps(_mm256_slli_epi32(sign, 24))),
+                                               m_unit);
+            const __m256 x = _mm256_load_ps(m_new + i), prev = _mm256_load_ps(m_prev + i);
+            const __m256 keep = _mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(moved, prev), _mm256_sub_ps(x, prev)),
+                                              _mm256_setzero_ps(), _CMP_GT_OQ);
+            mc = _mm256_blendv_epi8(mc, near, _mm256_castps_si256(keep));
+        }
         store_codes(m_codes + i, _mm256_or_si256(mc, sign));
         const __m256 v = _mm256_mul_ps(_mm256_load_ps(v_new + i), v_scale);
-        const __m256i vc = encode_magnitude<4, 4, kFlush>(v, rv, 255);
+        __m256i vc = encode_magnitude<4, 4, kFlush>(v, rv, 255);
+        if (kGuided) {
+            const __m256i near = encode_magnitude<4, 4, kFlush>(v, half, 255);
+            const __m256i lo = encode_magnitude<4, 4, kFlush>(v, _mm256_setzero_si256(), 255);
+            const __m256i old = load_codes(v_codes + i);
+            const __m256i draw = _mm256_or_si256(_mm256_cmpeq_epi32(old, lo),
+                                                 _mm256_cmpeq_epi32(old, _mm256_add_epi32(lo, _mm256_set1_epi32(1))));
+            vc = _mm256_blendv_epi8(near, vc, draw);
+        }
         const __m256i positive = _mm256_and_si256(_mm256_cmpgt_epi32(_mm256_castps_si256(v), _mm256_setzero_si256()),
                                                   _mm256_set1_epi32(1));
         store_codes(v_codes + i, _mm256_max_epi32(vc, positive));
@@ -184,6 +208,7 @@ void float_map_step(float* p, const float* g, uint8_t* m_codes, uint8_t* v_codes
                 case 3: run(step_block<3>); break;
                 case 5: run(step_block<5>); break;
                 case 13: run(step_block<13>); break;
+                case 16: run(step_block<16>); break;
                 default: break;
             }
         }
