@@ -110,14 +110,18 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
 
 
 def parse(name: str) -> Dict[str, str]:
-    """``q8[:m=MAP][:v=MAP]`` -> {"m": MAP, "v": MAP}."""
-    spec = {"m": "dyn6", "v": "dyn"}
+    """``q8[:m=MAP][:v=MAP][:seed=N]`` -> {"m": MAP, "v": MAP, "seed": N}; the seed is the random bits'
+    (another seed: another random stream, to see how much of a difference is chance)."""
+    spec = {"m": "dyn6", "v": "dyn", "seed": 0}
     base, *parts = name.split(":")
     if base != "q8":
-        raise ValueError(f"{name!r}: an 8-bit simulation is named q8[:m=MAP][:v=MAP]")
+        raise ValueError(f"{name!r}: an 8-bit simulation is named q8[:m=MAP][:v=MAP][:seed=N]")
     for part in parts:
         key, _, value = part.partition("=")
-        if key not in spec:
+        if key == "seed" and value.isdigit():
+            spec["seed"] = int(value)
+            continue
+        if key not in ("m", "v"):
             raise ValueError(f"{name!r}: each change is m=MAP or v=MAP, got {part!r}")
         make_map(value, key == "m")
         spec[key] = value
@@ -155,7 +159,7 @@ class SimAdamW8(torch.optim.Optimizer):
         check_map(self.codes["v"], False)
         self.mids = {k: F.midpoints(c) for k, c in self.codes.items()}
         self.min_size, self.block = min_size, block
-        self.gen = torch.Generator().manual_seed(seed)
+        self.gen = torch.Generator().manual_seed(self.spec.get("seed", seed))
 
     def _bits(self, n: int) -> torch.Tensor:
         return torch.randint(0, 2 ** 32, (n,), generator=self.gen, dtype=torch.int64)
@@ -246,8 +250,8 @@ def cmd_run(args) -> int:
         model, _, _ = train(fidelity.make(name, args.lr, args.weight_decay))
         per = fidelity.compare(ref, ref_init, model)
         worst = min(per, key=lambda r: r["cosine"])
-        spec = parse(name) if name.startswith("q8") else dict(m=name, v=name)
-        row = dict(optimizer=name, m_map=spec["m"], v_map=spec["v"], width=args.width, layers=layers,
+        spec = parse(name) if name.startswith("q8") else dict(m=name, v=name, seed=None)
+        row = dict(optimizer=name, m_map=spec["m"], v_map=spec["v"], bits_seed=spec["seed"], width=args.width, layers=layers,
                    steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, decay="matrices",
                    warmup=args.warmup, block=BLOCK, rounding="guided", min_cosine=worst["cosine"],
                    worst_matrix=worst["matrix"], median_cosine=statistics.median(r["cosine"] for r in per),
