@@ -31,7 +31,8 @@ defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``ds
 Muon8bitBlock (its matrices at ``muon_lr`` 0.02, the rest at ``--lr``) with the same class at
 ``optim_bits=32`` (their 32-bit twin) instead of torch's AdamW; ``:bsN`` works for them too.
 ``q4[:m=...][:v=...]`` is AdamW with 4-bit states simulated in plain PyTorch (``launch/lowbit_sim.py``
-names the variants), ``torchao4``/``torchao8`` torchao's AdamW4bit/AdamW8bit (when torchao is installed):
+names the variants), ``q8[:m=MAP][:v=MAP]`` the same at 8 bits with ds_q8's block 64 and guided rounding
+on arithmetic-friendly maps (``launch/arith_maps.py``), ``torchao4``/``torchao8`` torchao's AdamW4bit/AdamW8bit (when torchao is installed):
 
     python launch/fidelity.py --optimizers torchao4 q4 "q4:m=lin0,vb64,n:v=log5h,b64f,n"
 
@@ -53,6 +54,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpt_data  # noqa: E402
 import gpt_models  # noqa: E402
+import arith_maps  # noqa: E402
 import lowbit_sim  # noqa: E402
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
@@ -98,6 +100,8 @@ def quantizations() -> Tuple[str, ...]:
 def split(name: str) -> Tuple[str, Dict[str, int]]:
     if name.startswith("q4"):
         return "q4", dict(spec=lowbit_sim.parse(name))
+    if name.startswith("q8"):
+        return "q8", dict(spec=arith_maps.parse(name))
     if name in ("torchao4", "torchao8"):
         return name, {}
     base, *changes = name.split(":")
@@ -131,6 +135,8 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
         return lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, foreach=False)
     if base == "q4":
         return lambda ps: lowbit_sim.SimAdamW4(ps, lr=lr, weight_decay=weight_decay, **options)
+    if base == "q8":
+        return lambda ps: arith_maps.SimAdamW8(ps, lr=lr, weight_decay=weight_decay, **options)
     if base.startswith("torchao"):
         import torchao.optim
 

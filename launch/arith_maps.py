@@ -1,0 +1,293 @@
+"""8-bit maps whose code <-> value conversion is plain arithmetic, against ds_q8's dynamic6 maps.
+
+Every candidate is written as a sorted 256-entry float32 table (in [-1, 1] for the signed first moment,
+[0, 1] for the unsigned second moment, holding 0, top entry exactly 1.0) so that ds_q8.functional's exact
+rounding code (block 64, bfloat16-rounded-up maxima, guided rounding) applies unchanged; a kernel would
+compute the same entries with float or integer operations instead of reading them from a table.
+
+Signed maps (first moment), sign + 7 magnitude bits:
+    ``e4m3``, ``e3m4``, ``e5m2``  float-like: magnitude ``2**(e - bias) * (1 + f / 2**M)``, ``e = 0`` the
+                                subnormals ``f / 2**M * 2**(1 - bias)`` (0 included), every code finite, all
+                                divided by the largest magnitude (a constant a kernel folds into the scale)
+    ``ssK``                     companded even grid: ``t = i / 127`` (i in -127..127), value
+                                ``t / (1 + K (1 - |t|))`` (K = 1: ``t / (2 - |t|)``, softsign normalised to
+                                1 at the top); coding inverts it with one division,
+                                ``t = (1 + K) y / (1 + K |y|)``
+    ``dyn6``                    the shipped map, ``F.state_map("dynamic6", True, "cpu")``
+A sign + magnitude code has two zeros (+0 and -0): the signed tables built here hold 0 twice (entries
+127 and 128), which is what a sign-magnitude decoder returns for both, so they have 255 distinct values.
+Rounding is unaffected: the midpoint between the two zeros is 0, a value of exactly 0 takes the lower
+one, and a non-zero value's two neighbours are never both zero.
+
+Unsigned maps (second moment), 8 bits:
+    ``e4m4``, ``e5m3``          the float-like construction without a sign bit (256 values, 0 included)
+    ``sqe4m4``                  squares of the unsigned E4M4 grid (the stored code is sqrt(v) in E4M4)
+    ``sqlin``                   ``(i / 255) ** 2`` (sqrt(v) on an even grid)
+    ``dyn``                     the shipped map, ``F.state_map("dynamic6", False, "cpu")`` (the unsigned
+                                dynamic tree map)
+For the squared maps the decision boundaries here are the table's midpoints in v (ds_q8's rule), not in
+sqrt(v) as an arithmetic coder that rounds sqrt(v) would place them.
+
+``SimAdamW8`` is torch's AdamW whose moments are kept as the float32 values their codes decode to (ds_q8's
+step: the update uses the new fp32 moments, then each is coded against its block's new maximum), with
+ds_q8's default rounding, guided: first moments guided by their value before the update (``prev``), second
+moments by their old codes (``old``), 32 random bits per element and step from a seeded generator.
+Parameters under 4096 elements keep float32 states (``min_8bit_size``). A variant is named
+``q8:m=MAP:v=MAP`` (defaults dyn6 and dyn); ``launch/fidelity.py`` accepts these names.
+
+    python launch/arith_maps.py table                # each map's smallest magnitude and entries per binade
+    python launch/arith_maps.py run --width 768 --layers 4 --warmup 0 --out launch/results/maps/arith_768.json \\
+        q8 q8:m=e4m3 q8:v=e4m4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from ds_q8 import functional as F
+
+BLOCK = 64
+MIN_SIZE = 4096
+SIGNED = ("dyn6", "e4m3", "e3m4", "e5m2", "e2m5", "ss1", "ss3", "ss7", "ss15")
+UNSIGNED = ("dyn", "e4m4", "e5m3", "e3m5", "sqe4m4", "sqe3m5", "sqlin", "lin")
+
+
+def float_magnitudes(exp_bits: int, man_bits: int) -> torch.Tensor:
+    """All ``2**(E + M)`` non-negative values of a float format with every code finite, ascending, in
+    float64, divided by the largest (bias cancels in the division)."""
+    vals = []
+    for e in range(2 ** exp_bits):
+        for f in range(2 ** man_bits):
+            frac = f / 2 ** man_bits
+            vals.append(frac * 2.0 ** 1 if e == 0 else (1.0 + frac) * 2.0 ** e)  # bias folded: 2**(e - bias)
+    t = torch.tensor(vals, dtype=torch.float64)
+    return t / t.max()
+
+
+def _signed_from(mags: torch.Tensor) -> torch.Tensor:
+    """128 magnitudes (the first 0) -> 256 sorted entries: -mags reversed, then mags; 0 appears twice."""
+    assert mags.numel() == 128 and float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
+    return torch.cat([-mags.flip(0), mags]).to(torch.float32)
+
+
+def make_map(name: str, signed: bool) -> torch.Tensor:
+    if signed:
+        if name == "dyn6":
+            return F.state_map("dynamic6", True, "cpu").clone()
+        if name[0] == "e" and "m" in name:
+            e, m = (int(x) for x in name[1:].split("m"))
+            if e + m != 7:
+                raise ValueError(f"signed float map {name!r}: E + M must be 7")
+            return _signed_from(float_magnitudes(e, m))
+        if name.startswith("ss") and name[2:].isdigit():
+            k = float(name[2:])
+            t = torch.arange(128, dtype=torch.float64) / 127
+            return _signed_from(t / (1.0 + k * (1.0 - t)))
+    else:
+        if name == "dyn":
+            return F.state_map("dynamic6", False, "cpu").clone()
+        if name[0] == "e" and "m" in name:
+            e, m = (int(x) for x in name[1:].split("m"))
+            if e + m != 8:
+                raise ValueError(f"unsigned float map {name!r}: E + M must be 8")
+            return float_magnitudes(e, m).to(torch.float32)
+        if name.startswith("sqe"):
+            e, m = (int(x) for x in name[3:].split("m"))
+            return (float_magnitudes(e, m) ** 2).to(torch.float32)
+        if name == "sqlin":
+            return ((torch.arange(256, dtype=torch.float64) / 255) ** 2).to(torch.float32)
+        if name == "lin":
+            return F.create_linear_map(False)
+    raise ValueError(f"unknown {'signed' if signed else 'unsigned'} map {name!r}")
+
+
+def parse(name: str) -> Dict[str, str]:
+    """``q8[:m=MAP][:v=MAP][:seed=N]`` -> {"m": MAP, "v": MAP, "seed": N}; the seed is the random bits'
+    (another seed: another random stream, to see how much of a difference is chance)."""
+    spec = {"m": "dyn6", "v": "dyn", "seed": 0}
+    base, *parts = name.split(":")
+    if base != "q8":
+        raise ValueError(f"{name!r}: an 8-bit simulation is named q8[:m=MAP][:v=MAP][:seed=N]")
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key == "seed" and value.isdigit():
+            spec["seed"] = int(value)
+            continue
+        if key not in ("m", "v"):
+            raise ValueError(f"{name!r}: each change is m=MAP or v=MAP, got {part!r}")
+        make_map(value, key == "m")
+        spec[key] = value
+    return spec
+
+
+def check_map(code: torch.Tensor, signed: bool) -> None:
+    assert code.dtype == torch.float32 and code.numel() == 256
+    assert bool((code[1:] >= code[:-1]).all()), "sorted"
+    assert float(code[-1]) == 1.0 and bool((code == 0).any())
+    assert float(code[0]) >= -1.0 if signed else float(code[0]) == 0.0
+
+
+def describe(code: torch.Tensor) -> dict:
+    """Smallest positive entry, distinct values, and positive entries per binade (top binade first)."""
+    pos = code[code > 0].double()
+    per = []
+    hi = 1.0
+    for _ in range(4):
+        per.append(int(((pos > hi / 2) & (pos <= hi)).sum()))
+        hi /= 2
+    return dict(smallest=float(pos.min()), distinct=int(torch.unique(code).numel()),
+                per_binade_top4=per, decades=round(math.log10(1.0 / float(pos.min())), 2))
+
+
+class SimAdamW8(torch.optim.Optimizer):
+    """torch's AdamW (decoupled weight decay, bias correction) with 8-bit block-wise moments, simulated."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, spec=None,
+                 min_size=MIN_SIZE, block=BLOCK, seed=0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.spec = spec or parse("q8")
+        self.codes = {"m": make_map(self.spec["m"], True), "v": make_map(self.spec["v"], False)}
+        check_map(self.codes["m"], True)
+        check_map(self.codes["v"], False)
+        self.mids = {k: F.midpoints(c) for k, c in self.codes.items()}
+        self.min_size, self.block = min_size, block
+        self.gen = torch.Generator().manual_seed(self.spec.get("seed", seed))
+
+    def _bits(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 2 ** 32, (n,), generator=self.gen, dtype=torch.int64)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.float()
+                st = self.state[p]
+                coded = p.numel() >= self.min_size
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros_like(g)
+                    st["v"] = torch.zeros_like(g)
+                    if coded:  # the codes of zero states, for the second moment's guide
+                        st["v_codes"] = torch.zeros(p.numel(), dtype=torch.long)
+                st["step"] += 1
+                t = st["step"]
+                prev_m = st["m"].reshape(-1).clone() if coded else None
+                m = st["m"].mul_(b1).add_(g, alpha=1 - b1)
+                v = st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                denom = (v / (1 - b2 ** t)).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
+                if not coded:
+                    continue
+                n, bs = p.numel(), self.block
+                # first moment: guided by its value before the update
+                mf = m.reshape(-1)
+                am = F.block_absmax(mf, bs)
+                cm = F.quantize_with_absmax(mf, am, self.codes["m"], bs, self._bits(n), self.mids["m"], prev=prev_m)
+                st["m"] = F.dequantize_flat(cm, am, self.codes["m"], bs).view(p.shape)
+                # second moment: guided by its old codes
+                vf = v.reshape(-1)
+                av = F.block_absmax(vf, bs)
+                cv = F.quantize_with_absmax(vf, av, self.codes["v"], bs, self._bits(n), self.mids["v"],
+                                            old=st["v_codes"]).long()
+                st["v_codes"] = cv
+                st["v"] = F.dequantize_flat(cv, av, self.codes["v"], bs).view(p.shape)
+        return None
+
+
+def cmd_table(args) -> int:
+    rows = []
+    for signed, names in ((True, SIGNED), (False, UNSIGNED)):
+        for name in names:
+            d = describe(make_map(name, signed))
+            rows.append(dict(map=name, moment="m" if signed else "v", **d))
+            print(f"| {name} | {'m' if signed else 'v'} | {d['smallest']:.3g} | {d['decades']} | {d['distinct']} | "
+                  + " / ".join(str(k) for k in d["per_binade_top4"]) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def cmd_run(args) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fidelity
+    import gpt_data
+
+    torch.set_num_threads(args.threads)
+    text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
+    layers = args.layers
+    model_fn = lambda: fidelity.build("gpt2", args.width, layers, args.context, args.seed)  # noqa: E731
+    train = lambda make_opt: fidelity.train(model_fn, make_opt, text, args.steps, args.batch, args.context,  # noqa: E731
+                                            args.seed, args.weight_decay, "matrices", args.warmup, args.lr)
+    key = f"w{args.width}_l{layers}_s{args.steps}_wu{args.warmup}_lr{args.lr:g}_wd{args.weight_decay:g}"
+    cache = os.path.join(args.cache, key + ".pt")
+    if os.path.exists(cache):
+        saved = torch.load(cache)
+        ref = model_fn()
+        ref.load_state_dict(saved["final"])
+        ref_init = saved["init"]
+    else:
+        t0 = time.time()
+        ref, ref_init, _ = train(fidelity.make("torch", args.lr, args.weight_decay))
+        os.makedirs(args.cache, exist_ok=True)
+        torch.save(dict(final=ref.state_dict(), init=ref_init), cache)
+        print(f"reference trained in {time.time() - t0:.0f} s", flush=True)
+    rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+    for name in args.names:
+        t0 = time.time()
+        model, _, _ = train(fidelity.make(name, args.lr, args.weight_decay))
+        per = fidelity.compare(ref, ref_init, model)
+        worst = min(per, key=lambda r: r["cosine"])
+        spec = parse(name) if name.startswith("q8") else dict(m=name, v=name, seed=None)
+        row = dict(optimizer=name, m_map=spec["m"], v_map=spec["v"], bits_seed=spec["seed"], width=args.width, layers=layers,
+                   steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, decay="matrices",
+                   warmup=args.warmup, block=BLOCK, rounding="guided", min_cosine=worst["cosine"],
+                   worst_matrix=worst["matrix"], median_cosine=statistics.median(r["cosine"] for r in per),
+                   per_matrix=per, seconds=round(time.time() - t0, 1))
+        rows = [r for r in rows if r["optimizer"] != name] + [row]
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"| {args.width} ({layers}) wu{args.warmup} | {name} | {row['min_cosine']:.5f} "
+              f"(`{worst['matrix'].replace('transformer.', '')}`) | {row['median_cosine']:.5f} | {row['seconds']} s |",
+              flush=True)
+        del model
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("table", help="each map's smallest positive entry and entries per binade")
+    t.add_argument("--out")
+    r = sub.add_parser("run", help="per-matrix update cosines against torch's AdamW (fidelity.py's setting)")
+    r.add_argument("names", nargs="+", help="q8[:m=MAP][:v=MAP], or any fidelity.py optimizer (ds_q8, ...)")
+    r.add_argument("--width", type=int, default=768)
+    r.add_argument("--layers", type=int, default=4)
+    r.add_argument("--steps", type=int, default=25)
+    r.add_argument("--lr", type=float, default=6e-4)
+    r.add_argument("--weight-decay", type=float, default=0.1)
+    r.add_argument("--warmup", type=int, default=0)
+    r.add_argument("--batch", type=int, default=16)
+    r.add_argument("--context", type=int, default=64)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--cache", default="out/arith_maps_ref", help="where the reference run is kept between calls")
+    r.add_argument("--out", required=True, help="results JSON (rows are added or replaced by name)")
+    args = ap.parse_args(argv)
+    return cmd_table(args) if args.cmd == "table" else cmd_run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
