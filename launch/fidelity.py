@@ -52,9 +52,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import arith_maps  # noqa: E402
 import gpt_data  # noqa: E402
 import gpt_models  # noqa: E402
-import arith_maps  # noqa: E402
 import lowbit_sim  # noqa: E402
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+import arith_maps  # noqa: E402
 import float_map_bench  # noqa: E402
 
 
@@ -24,3 +25,13 @@ def test_the_probe_codes_its_maps_and_steps_adamw():
     assert maps["smallest_unsigned"] == pytest.approx(2.0 ** (1 - 15) / 16 / top)  # E4M4
     agree = float_map_bench.agreement(lib)
     assert agree["cosine"] > 0.998 and abs(agree["norm_ratio"] - 1.0) < 0.01, agree
+
+
+@pytest.mark.skipif(shutil.which("g++") is None or not _has_avx2(), reason="the probe needs g++ and an AVX2 CPU")
+def test_the_probe_steps_on_the_maps_the_fidelity_study_measured():
+    """The probe decodes its codes by shifting bits; launch/arith_maps.py builds the same maps as tables."""
+    lib = float_map_bench.build()
+    for name, signed, codes in (("e3m4", True, 256), ("e4m4", False, 256)):
+        probe = sorted({lib.float_map_value(c, int(signed)) for c in range(codes)})
+        table = sorted(set(arith_maps.make_map(name, signed).tolist()))
+        assert probe == table, name
