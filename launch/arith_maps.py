@@ -78,15 +78,20 @@ def _signed_from(mags: torch.Tensor) -> torch.Tensor:
     return torch.cat([-mags.flip(0), mags]).to(torch.float32)
 
 
+def _exponent_mantissa(name: str, bits: int):
+    """``EnMk`` -> (n, k), which must sum to the magnitude's bits (7 signed, 8 unsigned)."""
+    e, m = (int(x) for x in name[1:].split("m"))
+    if e + m != bits:
+        raise ValueError(f"{'signed' if bits == 7 else 'unsigned'} float map {name!r}: E + M must be {bits}")
+    return e, m
+
+
 def make_map(name: str, signed: bool) -> torch.Tensor:
     if signed:
         if name == "dyn6":
             return F.state_map("dynamic6", True, "cpu").clone()
         if name[0] == "e" and "m" in name:
-            e, m = (int(x) for x in name[1:].split("m"))
-            if e + m != 7:
-                raise ValueError(f"signed float map {name!r}: E + M must be 7")
-            return _signed_from(float_magnitudes(e, m))
+            return _signed_from(float_magnitudes(*_exponent_mantissa(name, 7)))
         if name.startswith("ss") and name[2:].isdigit():
             k = float(name[2:])
             t = torch.arange(128, dtype=torch.float64) / 127
@@ -95,10 +100,7 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
         if name == "dyn":
             return F.state_map("dynamic6", False, "cpu").clone()
         if name[0] == "e" and "m" in name:
-            e, m = (int(x) for x in name[1:].split("m"))
-            if e + m != 8:
-                raise ValueError(f"unsigned float map {name!r}: E + M must be 8")
-            return float_magnitudes(e, m).to(torch.float32)
+            return float_magnitudes(*_exponent_mantissa(name, 8)).to(torch.float32)
         if name.startswith("sqe"):
             e, m = (int(x) for x in name[3:].split("m"))
             return (float_magnitudes(e, m) ** 2).to(torch.float32)
