@@ -303,18 +303,19 @@ def test_unsupported_dtype_pair_is_refused(sim):
         sim.step_many("adamw", p, [x.half() for x in g], s, a, maps, lookups, 256, hyper, [], [])
 
 
-def test_guided_rounding_outside_the_defaults_pairing_is_refused(sim):
-    """The CUDA step takes guided rounding as state_rounding="guided" pairs it (signed states 2, unsigned 3)
-    and nearest or stochastic in any mix; other pairings get an error naming the field, and write nothing."""
+def test_guided_rounding_outside_the_defaults_form_is_refused(sim):
+    """The CUDA step takes guided rounding as state_rounding="guided" gives it (every state 3, by its old
+    code) and nearest or stochastic in any mix; guidance by the update (2) or a state guided beside one
+    that is not gets an error naming the field, and writes nothing."""
     p, g, s, a, maps, lookups, hyper = _lists(sim, [300, 70])
     keys, index = [11, 12], [0, 0]
     before = _flat(p, s, a)
-    for states in ([2, 2], [3, 3], [3, 2], [2, 0], [1, 3]):
+    for states in ([2, 2], [2, 3], [3, 2], [2, 0], [1, 3], [3, 0]):
         with pytest.raises(ValueError, match="stochastic_states: the CUDA step takes guided rounding only"):
             sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
     for x, y in zip(_flat(p, s, a), before):
         assert_same_bits(x, y, "refused step")
-    for states in ([2, 3], [1, 0], [0, 1], [1, 1], [0, 0]):  # adamw: m signed, v unsigned
+    for states in ([3, 3], [1, 0], [0, 1], [1, 1], [0, 0]):  # adamw: m signed, v unsigned
         sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
 
 

@@ -23,8 +23,8 @@ OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT
                quantization="dynamic6", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
                correction_byte=False, impl="auto", nonfinite="skip")
 QUANTIZATIONS = ("dynamic", "dynamic6", "linear")
-#: how the states are requantized after each step: every state guided (to nearest unless that would
-#: stall or reverse its update, and there stochastically), every state stochastically, only the unsigned
+#: how the states are requantized after each step: every state guided (stochastically while the value
+#: stays next to its old code, where nearest could stall it, else to nearest), every state stochastically, only the unsigned
 #: ones (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
 STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
 #: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h)
@@ -64,7 +64,7 @@ def check_common_group(group: dict) -> None:
                          "null or false)")
     if group.get("state_rounding", OPTIONS["state_rounding"]) not in STATE_ROUNDINGS:
         raise ValueError(f"state_rounding must be one of {STATE_ROUNDINGS} (how the states are requantized: guided, "
-                         f"to the nearer code except where that could stall a state; every state right on average; only "
+                         f"to the nearer code except next to the old one, where that could stall a state; every state right on average; only "
                          f"the second moments; or every state to the nearest code), "
                          f"got {group.get('state_rounding')!r}")
     impl = group.get("impl", "auto")
@@ -123,11 +123,12 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
 
 
 def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
-    """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC`, :data:`ROUND_GUIDED`
-    or :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
-    (``state_rounding="stochastic"``), every state guided (``"guided"``: signed states by their update,
-    unsigned ones by their old code), the unsigned ones only
-    stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none (``"nearest"``).
+    """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
+    :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
+    (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned
+    ones only stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none
+    (``"nearest"``). :data:`ROUND_GUIDED` (guided by the update) is the kernels' and the reference's, for
+    studies: no option asks for it, since it runs ahead of a changing value (``functional.py``'s module doc).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
     those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by
@@ -135,12 +136,12 @@ def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
     moment (beta1 = 0.9) lags a gradient that grows by less than about a third of itself a step, as
     the weights that leave a plateau see theirs do, so they leave it later. Rounded stochastically,
     each is right on average, at the price of noise on every element at every step; guided rounding
-    draws only where nearest would stall or step back (``functional.py``'s module doc)."""
+    draws only while the value is next to its old code, where nearest could stall it."""
     choice = group.get("state_rounding", OPTIONS["state_rounding"])
     if choice == "stochastic":
         return (ROUND_STOCHASTIC,) * len(signed)
     if choice == "guided":
-        return tuple(ROUND_GUIDED if s else ROUND_GUIDED_CODE for s in signed)
+        return (ROUND_GUIDED_CODE,) * len(signed)
     if choice == "stochastic_unsigned":
         return tuple(ROUND_NEAREST if s else ROUND_STOCHASTIC for s in signed)
     return (ROUND_NEAREST,) * len(signed)

@@ -247,23 +247,30 @@ __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint3
 // maximum is not finite takes the exact path, as does a map without a table.
 constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
 
-// kGuided: the default's rounding (state_rounding="guided": signed states guided by their update, unsigned
-// ones by their old code; guided_mode) fixed at compile time, so that the kernel holds that rounding's
-// code alone. The other kernel reads each state's rounding from the list, nearest or stochastic only
-// (the launcher refuses guided rounding in any other pairing): it keeps no old codes.
+// kGuided: the default's rounding (state_rounding="guided": every state guided by its old code;
+// guided_mode) fixed at compile time, so that the kernel holds that rounding's code alone. The other
+// kernel reads each state's rounding from the list, nearest or stochastic only (the launcher refuses
+// guided rounding in any other form): it keeps no old codes. Guidance by the update (Q8_ROUND_GUIDED,
+// requantize_guided) stays here for the compile-time counts of launch/sass_count.py; no launch asks for it.
 template <class Rule>
-__host__ __device__ constexpr int guided_mode(int k) {
-    return ((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE;
+__host__ __device__ constexpr int guided_mode(int) {
+    return Q8_ROUND_GUIDED_CODE;
+}
+template <class Rule>
+__host__ __device__ constexpr bool guided_by_update() {
+    for (int k = 0; k < Rule::kStates; ++k)
+        if (guided_mode<Rule>(k) == Q8_ROUND_GUIDED) return true;
+    return false;
 }
 
 template <class Rule, class P, class G, bool kGuided>
 __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
     // whether guided requantization keeps a signed state's values before the update in registers (6.6
-    // instructions an element fewer than dequantizing them again) or dequantizes them again from the old
-    // codes: the default's kernels keep them, but those of fp16 parameters have no registers to spare
+    // instructions an element fewer than dequantizing them again) for guidance by the update: only where
+    // guided_mode asks for it, and not with fp16 parameters, which have no registers to spare
     // (launch/ptxas_report.py: they would spill)
-    constexpr bool kKeepPrev = kGuided && !std::is_same<P, q8_half>::value;
+    constexpr bool kKeepPrev = kGuided && guided_by_update<Rule>() && !std::is_same<P, q8_half>::value;
     if (list_skipped(list)) return;
     Q8_DYNAMIC_SHARED(FloorTable, tab);  // K tables
     __shared__ uint32_t red[1024 / 32];

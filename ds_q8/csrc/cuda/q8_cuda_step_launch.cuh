@@ -141,8 +141,8 @@ void launch_step(const StepBatch& b, const Rule& rule) {
         any_guided = any_guided || list.stochastic_states[k] >= Q8_ROUND_GUIDED;
     }
     TORCH_CHECK_VALUE(guided || !any_guided, "stochastic_states: the CUDA step takes guided rounding only as "
-                      "state_rounding=\"guided\" pairs it (", Q8_ROUND_GUIDED, " for signed states, ",
-                      Q8_ROUND_GUIDED_CODE, " for unsigned ones, every state guided); mix nearest (",
+                      "state_rounding=\"guided\" gives it (", Q8_ROUND_GUIDED_CODE, ", by the old code, for every "
+                      "state; ", Q8_ROUND_GUIDED, ", by the update, not at all); mix nearest (",
                       Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
     if (guided) launch_lists(b, list, step_kernel<Rule, P, G, true>, rule, threads, K * sizeof(FloorTable));
     else launch_lists(b, list, step_kernel<Rule, P, G, false>, rule, threads, K * sizeof(FloorTable));

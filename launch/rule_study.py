@@ -1,0 +1,129 @@
+"""Requantization rules for the first moment that no option selects, run through the optimizer as a user
+runs it: ``launch/convergence.py``'s seed studies or ``launch/fidelity.py``'s 25-step check.
+
+    python launch/rule_study.py --rule update conv --lrs 1.6e-2 --seeds 2 --workers 1 --optimizers ds_q8
+    python launch/rule_study.py --rule code --dither fid 768 4 0
+
+Rules (``--rule``; the second moment is guided by its old code in all of them):
+  code     every state guided by its old code: the default (``state_rounding="guided"``), for comparison
+  update   a signed state guided by its update (Q8_ROUND_GUIDED, the default before): the nearer entry
+           where it moves the value the way the update did, else stochastic
+  bracket  a signed state stochastic where its value before the update lies between the two entries
+           around the new value (its old code's interval, also where the block maximum moved), else
+           the nearer entry (the reference only: ``--reference``)
+``--dither``: each element's random bits are fixed across steps and advanced by the golden ratio each
+step (a low-discrepancy sequence per element instead of fresh bits; the reference only). ``--reference``
+runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` and ``update`` run in the kernels.
+
+``conv`` passes the rest to convergence.py, one process (its ``--workers`` must be 1: the rules are
+patched into this process); ``fid WIDTH LAYERS WARMUP`` runs the 25-step check (lr 6e-4, batch 16,
+weight decay 0.1 on the matrices) on one thread and prints one JSON line. A study, not a product path.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import ds_q8  # noqa: E402
+from ds_q8 import functional as F  # noqa: E402
+from ds_q8.optim import group_options as G  # noqa: E402
+from ds_q8.optim import path_kernel, path_reference, path_shared, plan, rounding, step  # noqa: E402
+
+GOLDEN = 0x9E3779B9  # 2^32 / the golden ratio, rounded to odd
+
+
+def patch_rule(rule: str) -> None:
+    """state_rounding="guided" gives ``rule``'s modes (the signed states' mode in the kernels' terms)."""
+    signed_mode = G.ROUND_GUIDED if rule in ("update", "bracket") else G.ROUND_GUIDED_CODE
+    default = G.stochastic_states
+
+    def stochastic_states(group, signed):
+        if group.get("state_rounding", G.OPTIONS["state_rounding"]) != "guided":
+            return default(group, signed)
+        return tuple(signed_mode if s else G.ROUND_GUIDED_CODE for s in signed)
+
+    for module in (G, path_kernel, path_reference, path_shared, plan, step):
+        module.stochastic_states = stochastic_states
+    if rule == "bracket":
+        patch_bracket()
+
+
+def patch_bracket() -> None:
+    """A signed state's update guidance replaced by the bracket rule, in ds_q8.functional (the reference)."""
+    scaled = F.quantize_scaled
+
+    def quantize_scaled(y, code, random_bits=None, mid=None, guide=None, old=None):
+        if guide is None or random_bits is None:
+            return scaled(y, code, random_bits, mid, guide, old)
+        _, prev, a = guide
+        top = code.numel() - 1
+        near = torch.searchsorted(F.midpoints(code) if mid is None else mid, y).clamp(max=top)
+        up = y >= code[near]
+        nb = torch.where(up, near + 1, near - 1).clamp(0, top)
+        lo, hi = torch.where(up, near, nb), torch.where(up, nb, near)
+        gap, above = code[hi] - code[lo], y - code[lo]
+        u = (random_bits >> 8).to(torch.float32) * 5.9604644775390625e-08
+        draw = (code[lo] * a <= prev) & (prev <= code[hi] * a)
+        idx = torch.where(torch.where(draw, u * gap < above, gap * 0.5 < above), hi, lo)
+        idx = torch.where((code[0] == 0) & (y > 0) & (idx == 0), torch.ones_like(idx), idx)
+        return torch.where(torch.isnan(y), torch.full_like(idx, top), idx).to(torch.uint8)
+
+    F.quantize_scaled = quantize_scaled
+
+
+def patch_dither() -> None:
+    """Step-independent keys, each element's bits advanced by GOLDEN per step (the reference's draws)."""
+    step = [0]
+    step_key, random_bits = rounding.step_key, rounding.random_bits
+
+    def fixed_step_key(seed, count):
+        step[0] = count
+        return step_key(seed, 0)
+
+    def dithered_bits(key, index):
+        return (random_bits(key, index) + step[0] * GOLDEN) & 0xFFFFFFFF
+
+    plan.step_key = rounding.step_key = fixed_step_key
+    rounding.random_bits = dithered_bits
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rule", choices=("code", "update", "bracket"), default="code")
+    ap.add_argument("--dither", action="store_true")
+    ap.add_argument("--reference", action="store_true", help='impl="reference" (needed by bracket and --dither)')
+    ap.add_argument("what", choices=("conv", "fid"))
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    if (args.rule == "bracket" or args.dither) and not args.reference:
+        ap.error("--rule bracket and --dither are patched into the reference: add --reference")
+    patch_rule(args.rule)
+    if args.dither:
+        patch_dither()
+    if args.reference:
+        ds_q8.AdamW8bitBlock = functools.partial(ds_q8.AdamW8bitBlock, impl="reference")
+    if args.what == "conv":
+        import convergence
+        if "--workers" not in args.rest:
+            args.rest += ["--workers", "1"]
+        if args.rest[args.rest.index("--workers") + 1] != "1":
+            ap.error("conv: --workers must be 1 (the rule is patched into this process)")
+        return convergence.main(args.rest)
+    import fidelity
+    width, layers, warmup = (int(v) for v in args.rest)
+    torch.set_num_threads(1)
+    for r in fidelity.run("gpt2", width, layers, ["ds_q8"], 25, 6e-4, 0.1, 16, 64, decay="matrices", warmup=warmup):
+        print(json.dumps(dict(rule=args.rule, dither=args.dither, width=width, layers=layers, warmup=warmup,
+                              min_cosine=r["min_cosine"], worst=r["worst_matrix"], median=r["median_cosine"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
