@@ -178,6 +178,15 @@ __device__ __forceinline__ void requantize_stochastic(const FloorTable& t, const
 // A thread's old code i of a state, from the 8 packed in two words (pack_codes).
 __device__ __forceinline__ uint32_t old_code(const uint32_t (&old)[2], int i) { return (old[i >> 2] >> (8 * (i & 3))) & 255u; }
 
+// Whether a thread's old code i is F or F + 1, tested in place in its packed word: subtracting F from
+// the code's byte leaves (old - F) mod 256 there (the bytes below it unchanged), and that is 0 or 1
+// exactly when old - F is (F <= 254), which is the byte's bits 1 to 7 clear. An integer multiply-add and
+// a logical test instead of extracting the byte, subtracting and comparing.
+__device__ __forceinline__ bool old_code_near(const uint32_t (&old)[2], int i, uint32_t f) {
+    const int shift = 8 * (i & 3);
+    return ((old[i >> 2] - (f << shift)) & (0xFEu << shift)) == 0u;
+}
+
 // Both choices of the guided rules (q8_guide_pair, q8_guide_pick) from F's pair read: whether the nearer
 // entry is F + 1 (gap * 0.5 < y - code[F], gap * 0.5 being pair.y * 2^23 exactly), and whether the
 // stochastic draw goes up (as round_stochastic_by_table). Both are computed and one is selected, the
@@ -215,7 +224,10 @@ __device__ __forceinline__ void requantize_guided(const FloorTable& t, const flo
 }
 
 // The same guided by the old codes (q8_round_guided_code): stochastic where the old code is F or F + 1,
-// the nearer entry elsewhere.
+// the nearer entry elsewhere. The two tests differ only in the factor of the pair's gap, the draw
+// (r >> 8) or 2^23, so the factor is selected and one product compared (the same bits: a product of two
+// floats does not depend on their order). No zero-point correction: the zero point's gap of 0 sends every
+// positive value of a positive map's pair (0, 1) up to 1 either way.
 template <bool kPositive>
 __device__ __forceinline__ void requantize_guided_code(const FloorTable& t, const float (&x)[kElems],
                                                        const uint32_t (&old)[2], float scale, uint32_t key,
@@ -223,10 +235,15 @@ __device__ __forceinline__ void requantize_guided_code(const FloorTable& t, cons
 #pragma unroll
     for (int i = 0; i < kElems; ++i) {
         const float y = table_scaled(x[i], scale);
-        const GuidedChoice c = guided_choice<kPositive>(t, y, q8_sr_bits(key, index + i));
-        const bool up = old_code(old, i) - c.f < 2u ? c.draw_up : c.near_up;
-        idx[i] = c.f + (up ? 1u : 0u);
-        if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
+        const uint32_t f = floor_index<kPositive>(t, y);
+        const float2 pr = reinterpret_cast<const float2*>(t.pair)[f];
+        // the factor's bits merged under a mask rather than selected: a select lets the compiler move the
+        // draw into a branch of its own, which costs a warp more than the draw
+        const uint32_t draw = __float_as_uint((float)(q8_sr_bits(key, index + i) >> 8));
+        const uint32_t near = __float_as_uint(8388608.0f);
+        const uint32_t mask = 0u - (old_code_near(old, i, f) ? 1u : 0u);
+        const float factor = __uint_as_float((draw & mask) | (near & ~mask));
+        idx[i] = f + (factor * pr.y < y - pr.x ? 1u : 0u);
     }
 }
 
