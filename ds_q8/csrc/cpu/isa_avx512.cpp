@@ -279,19 +279,17 @@ struct Avx512 : Avx512Vectors {
             const __m512 gap = _mm512_sub_ps(c_hi, c_lo), above = _mm512_sub_ps(y[q], c_lo);
             const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(sr.first + at + (uint32_t)(16 * q))), g.iota);
             const __m512i r = mix32(_mm512_xor_si512(index, g.vkey));
-            const __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
+            __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
+            // by the code: the nearer entry's test is the draw's with 0.5 for u, so the lanes that keep
+            // the nearer entry take 0.5 and one product serves both (0.5 * gap is gap * 0.5, exactly)
+            if (kGuide == kByCode) u = _mm512_mask_blend_ps((__mmask16)(draws >> (16 * q)), _mm512_set1_ps(0.5f), u);
             pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, gap), above, _CMP_LT_OQ);
-            if (kGuide != kUnguided) {
+            if (kGuide == kByUpdate) {
                 const __mmask16 near_up = _mm512_cmp_ps_mask(_mm512_mul_ps(gap, _mm512_set1_ps(0.5f)), above, _CMP_LT_OQ);
-                __mmask16 keep;  // the lanes that take the nearer entry
-                if (kGuide == kByUpdate) {
-                    const __m512 moved = _mm512_mul_ps(_mm512_mask_blend_ps(near_up, c_lo, c_hi), guide.absmax);
-                    const __m512 prev = _mm512_load_ps(guide.prev + 16 * q), xv = _mm512_load_ps(x + 16 * q);
-                    keep = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(moved, prev), _mm512_sub_ps(xv, prev)),
-                                              _mm512_setzero_ps(), _CMP_GT_OQ);
-                } else {
-                    keep = (__mmask16)~(draws >> (16 * q));
-                }
+                const __m512 moved = _mm512_mul_ps(_mm512_mask_blend_ps(near_up, c_lo, c_hi), guide.absmax);
+                const __m512 prev = _mm512_load_ps(guide.prev + 16 * q), xv = _mm512_load_ps(x + 16 * q);
+                const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(moved, prev), _mm512_sub_ps(xv, prev)),
+                                                          _mm512_setzero_ps(), _CMP_GT_OQ);  // take the nearer entry
                 pick[q] = (__mmask16)((keep & near_up) | (~keep & pick[q]));
             }
             pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
