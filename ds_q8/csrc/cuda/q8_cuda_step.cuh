@@ -187,9 +187,9 @@ __device__ __forceinline__ bool old_code_near(const uint32_t (&old)[2], int i, u
     return ((old[i >> 2] - (f << shift)) & (0xFEu << shift)) == 0u;
 }
 
-// Both choices of the guided rules (q8_guide_pair, q8_guide_pick) from F's pair read: whether the nearer
-// entry is F + 1 (gap * 0.5 < y - code[F], gap * 0.5 being pair.y * 2^23 exactly), and whether the
-// stochastic draw goes up (as round_stochastic_by_table). Both are computed and one is selected, the
+// Both choices of the rule guided by the update (q8_guide_pair, q8_guide_pick) from F's pair read:
+// whether the nearer entry is F + 1 (gap * 0.5 < y - code[F], gap * 0.5 being pair.y * 2^23 exactly), and
+// whether the stochastic draw goes up (as round_stochastic_by_table). Both are computed and one is selected, the
 // random bits drawn for every element: a warp issues the draw wherever one of its lanes needs it, and
 // a branch around it would cost more than it skips.
 struct GuidedChoice {
