@@ -420,7 +420,7 @@ def drift(lr: float, cfg: Config, seed: int = 0) -> List[dict]:
             g, s = p.grad.reshape(-1), shadows[n]
             s["m"] = b1 * s["m"] + (1 - b1) * g
             s["v"] = b2 * s["v"] + (1 - b2) * g * g
-            bits = rounding.random_bits(key ^ i, torch.arange(g.numel()))
+            bits = rounding.random_bits(rounding.mix32(key ^ i), torch.arange(g.numel()))
             for kind, v_bits in (("near", None), ("sr", bits)):
                 s["m_" + kind] = requantize(b1 * s["m_" + kind] + (1 - b1) * g, signed)
                 s["v_" + kind] = requantize(b2 * s["v_" + kind] + (1 - b2) * g * g, unsigned, v_bits)

@@ -147,12 +147,8 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         if (cnt != W) finish(out, b, cnt);
     }
 
-    static __m256i mix32(__m256i h) {  // q8_mix32 on 8 lanes
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
-        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0x85EBCA6Bu));
-        h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
-        h = _mm256_mullo_epi32(h, _mm256_set1_epi32((int)0xC2B2AE35u));
-        return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    static __m256i draw_bits(__m256i h) {  // q8_sr_bits on 8 lanes, h = key ^ index
+        return _mm256_mullo_epi32(h, _mm256_set1_epi32((int)Q8_DRAW_MUL));
     }
 
     // q8_round_stochastic's choice for 8 values between entries c_lo <= y and c_hi: the upper one where
@@ -225,7 +221,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             const __m256 c_lo = _mm256_blendv_ps(cn, c, _mm256_castsi256_ps(up));
             const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
             const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
-            const __m256i r = mix32(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
+            const __m256i r = draw_bits(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
             __m256i idx;
             if (prev)
                 idx = pick_guided(y, c_lo, c_hi, lo, hi, _mm256_load_ps(x + i), _mm256_load_ps(prev + i), vA, unsigned_map,
@@ -345,16 +341,16 @@ struct Avx2 : PerVectorBlocks<Avx2> {
                 const int cnt = blen - i < W ? blen - i : W;
                 __m256i idx;
                 if (sr->by_code) {  // the old codes, read before this vector's are written
-                    const __m256i old = load_codes(out + b0 + i, cnt), r = mix32(_mm256_xor_si256(index, key));
+                    const __m256i old = load_codes(out + b0 + i, cnt), r = draw_bits(_mm256_xor_si256(index, key));
                     idx = finite ? pick_by_code<true, true>(y, c_lo, c_hi, lo, hi, old, r, false)
                                  : pick_by_code<false, true>(y, c_lo, c_hi, lo, hi, old, r, false);
                 } else if (sr->prev) {  // guided: a signed map's (a first moment's) hash only where a lane needs it
                     const __m256 prev = _mm256_load_ps(sr->prev + b0 + i);
-                    auto draw = [&] { return mix32(_mm256_xor_si256(index, key)); };
+                    auto draw = [&] { return draw_bits(_mm256_xor_si256(index, key)); };
                     idx = finite ? pick_guided<true, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw)
                                  : pick_guided<false, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw);
                 } else {
-                    idx = pick_entry(y, c_lo, c_hi, lo, hi, mix32(_mm256_xor_si256(index, key)), false);
+                    idx = pick_entry(y, c_lo, c_hi, lo, hi, draw_bits(_mm256_xor_si256(index, key)), false);
                 }
                 store_bytes(out + b0 + i, idx, cnt);
             }

@@ -213,12 +213,8 @@ struct Avx512 : Avx512Vectors {
         }
     }
 
-    static __m512i mix32(__m512i h) {  // q8_mix32 on 16 lanes
-        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-        h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
-        h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-        h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
-        return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+    static __m512i draw_bits(__m512i h) {  // q8_sr_bits on 16 lanes, h = key ^ index
+        return _mm512_mullo_epi32(h, _mm512_set1_epi32((int)Q8_DRAW_MUL));
     }
 
     static __mmask64 join(const __mmask16* m) {
@@ -278,7 +274,7 @@ struct Avx512 : Avx512Vectors {
             const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
             const __m512 gap = _mm512_sub_ps(c_hi, c_lo), above = _mm512_sub_ps(y[q], c_lo);
             const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(sr.first + at + (uint32_t)(16 * q))), g.iota);
-            const __m512i r = mix32(_mm512_xor_si512(index, g.vkey));
+            const __m512i r = draw_bits(_mm512_xor_si512(index, g.vkey));
             __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
             // by the code: the nearer entry's test is the draw's with 0.5 for u, so the lanes that keep
             // the nearer entry take 0.5 and one product serves both (0.5 * gap is gap * 0.5, exactly)

@@ -124,7 +124,9 @@ Q8_HD float q8_to_float(float v) { return v; }
 // and updates smaller than half a unit in the last place still count. The random bits are a hash of
 // (key, element index); the host folds the seed, the step and the parameter's identity into the key
 // (ds_q8.optim.rounding.sr_key), so the CPU and CUDA kernels and the PyTorch reference draw the same
-// bits for an element, wherever a partition put it.
+// bits for an element, wherever a partition put it. The keys are hashed with the murmur3 finalizer; an
+// element's bits are (key ^ index) times an odd constant, read from the top: uniform and independent
+// from step to step because the key is (ds_q8/optim/rounding.py says why that is enough).
 Q8_HD uint32_t q8_mix32(uint32_t h) {  // the murmur3 finalizer
     h ^= h >> 16;
     h *= 0x85EBCA6Bu;
@@ -134,14 +136,15 @@ Q8_HD uint32_t q8_mix32(uint32_t h) {  // the murmur3 finalizer
     return h;
 }
 
-Q8_HD uint32_t q8_sr_bits(uint32_t key, uint32_t index) { return q8_mix32(key ^ index); }
+#define Q8_DRAW_MUL 0x9E3779B9u  // rounding.DRAW_MUL: 2^32 / the golden ratio, rounded to odd
+Q8_HD uint32_t q8_sr_bits(uint32_t key, uint32_t index) { return (key ^ index) * Q8_DRAW_MUL; }
 
-// bf16 keeps the top 16 bits of a float: adding 16 random bits below them carries into the kept part
-// with probability (dropped bits) / 2^16. Inf and NaN round as to nearest.
+// bf16 keeps the top 16 bits of a float: adding the top 16 random bits below them carries into the
+// kept part with probability (dropped bits) / 2^16. Inf and NaN round as to nearest.
 Q8_HD uint16_t q8_bf16_from_float_sr(float f, uint32_t r) {
     uint32_t u = q8_bits(f);
     if ((u & 0x7F800000u) == 0x7F800000u) return q8_bf16_from_float(f);
-    return (uint16_t)((u + (r & 0xFFFFu)) >> 16);
+    return (uint16_t)((u + (r >> 16)) >> 16);
 }
 
 // fp16: the neighbours below and above |f|, and 24 random bits compared with the exact fraction of
