@@ -12,7 +12,9 @@ Rules (``--rule``; the second moment is guided by its old code in all of them):
            around the new value (its old code's interval, also where the block maximum moved), else
            the nearer entry (the reference only: ``--reference``)
 ``--dither``: each element's random bits are fixed across steps and advanced by the golden ratio each
-step (a low-discrepancy sequence per element instead of fresh bits; the reference only). ``--reference``
+step (a low-discrepancy sequence per element instead of fresh bits; the reference only). ``--clamp T``:
+the old-code draws of signed states (``--clamp-states both``: every state) take their uniform clamped to
+[T, 1 - T], so a value within T of a gap from an entry takes that entry (the reference only). ``--reference``
 runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` and ``update`` run in the kernels.
 
 ``conv`` passes the rest to convergence.py, one process (its ``--workers`` must be 1: the rules are
@@ -94,19 +96,37 @@ def patch_dither() -> None:
     rounding.random_bits = dithered_bits
 
 
+def patch_clamp(theta: float, states: str) -> None:
+    """Old-code draws with their uniform clamped to [theta, 1 - theta] (the reference's draws): a state
+    within theta of a gap from an entry takes that entry; ``states`` "signed" or "both"."""
+    scaled = F.quantize_scaled
+    lo_bits, hi_bits = int(theta * 2**24) << 8, int((1 - theta) * 2**24) << 8
+
+    def quantize_scaled(y, code, random_bits=None, mid=None, guide=None, old=None):
+        if old is not None and random_bits is not None and (states == "both" or bool(code[0] < 0)):
+            random_bits = random_bits.clamp(lo_bits, hi_bits)
+        return scaled(y, code, random_bits, mid, guide, old)
+
+    F.quantize_scaled = quantize_scaled
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rule", choices=("code", "update", "bracket"), default="code")
     ap.add_argument("--dither", action="store_true")
+    ap.add_argument("--clamp", type=float, help="old-code draws clamped to [CLAMP, 1 - CLAMP] (the reference only)")
+    ap.add_argument("--clamp-states", choices=("signed", "both"), default="signed")
     ap.add_argument("--reference", action="store_true", help='impl="reference" (needed by bracket and --dither)')
     ap.add_argument("what", choices=("conv", "fid"))
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
-    if (args.rule == "bracket" or args.dither) and not args.reference:
-        ap.error("--rule bracket and --dither are patched into the reference: add --reference")
+    if (args.rule == "bracket" or args.dither or args.clamp is not None) and not args.reference:
+        ap.error("--rule bracket, --dither and --clamp are patched into the reference: add --reference")
     patch_rule(args.rule)
     if args.dither:
         patch_dither()
+    if args.clamp is not None:
+        patch_clamp(args.clamp, args.clamp_states)
     if args.reference:
         ds_q8.AdamW8bitBlock = functools.partial(ds_q8.AdamW8bitBlock, impl="reference")
     if args.what == "conv":
@@ -120,7 +140,7 @@ def main(argv=None) -> int:
     width, layers, warmup = (int(v) for v in args.rest)
     torch.set_num_threads(1)
     for r in fidelity.run("gpt2", width, layers, ["ds_q8"], 25, 6e-4, 0.1, 16, 64, decay="matrices", warmup=warmup):
-        print(json.dumps(dict(rule=args.rule, dither=args.dither, width=width, layers=layers, warmup=warmup,
+        print(json.dumps(dict(rule=args.rule, dither=args.dither, clamp=args.clamp, clamp_states=args.clamp_states, width=width, layers=layers, warmup=warmup,
                               min_cosine=r["min_cosine"], worst=r["worst_matrix"], median=r["median_cosine"])))
     return 0
 
