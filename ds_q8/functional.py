@@ -53,9 +53,9 @@ random bits) while the value stays next to its old code, and the nearer of the t
 elsewhere. ``lo, hi`` as above, ``gap = code[hi] - code[lo]``, ``above = y - code[lo]``; the nearer entry
 is ``hi`` when ``gap * 0.5 < above``. Every state is guided by its old code: stochastic where the code
 before the step is ``lo`` or ``hi``, the nearer entry elsewhere. Then the zero point and NaN as above.
-The kernels also take guidance by the update (``prev``, for studies; no option asks for it): with ``x``
-the new (unscaled) value, ``prev`` its value before the step's update (its dequantized old code,
-float32) and ``moved = c * A`` for the nearer entry's value ``c``, the nearer entry is kept where
+The reference also takes guidance by the update (``prev``, for studies; no option asks for it, and the
+kernels refuse it): with ``x`` the new (unscaled) value, ``prev`` its value before the step's update (its
+dequantized old code, float32) and ``moved = c * A`` for the nearer entry's value ``c``, the nearer entry is kept where
 ``(moved - prev) * (x - prev) > 0`` (float32: both move the same way; a product that underflows to 0
 counts as not); elsewhere ``hi`` when ``u * gap < above``.
 

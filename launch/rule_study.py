@@ -1,13 +1,14 @@
 """Requantization rules for the first moment that no option selects, run through the optimizer as a user
 runs it: ``launch/convergence.py``'s seed studies or ``launch/fidelity.py``'s 25-step check.
 
-    python launch/rule_study.py --rule update conv --lrs 1.6e-2 --seeds 2 --workers 1 --optimizers ds_q8
+    python launch/rule_study.py --rule update --reference conv --lrs 1.6e-2 --seeds 2 --workers 1 --optimizers ds_q8
     python launch/rule_study.py --rule code --dither fid 768 4 0
 
 Rules (``--rule``; the second moment is guided by its old code in all of them):
   code     every state guided by its old code: the default (``state_rounding="guided"``), for comparison
-  update   a signed state guided by its update (Q8_ROUND_GUIDED, the default before): the nearer entry
-           where it moves the value the way the update did, else stochastic
+  update   a signed state guided by its update (ROUND_GUIDED, the default before): the nearer entry
+           where it moves the value the way the update did, else stochastic (the reference only: the
+           kernels carried it until the element hash changed, and no longer do)
   bracket  a signed state stochastic where its value before the update lies between the two entries
            around the new value (its old code's interval, also where the block maximum moved), else
            the nearer entry (the reference only: ``--reference``)
@@ -15,7 +16,7 @@ Rules (``--rule``; the second moment is guided by its old code in all of them):
 step (a low-discrepancy sequence per element instead of fresh bits; the reference only). ``--clamp T``:
 the old-code draws of signed states (``--clamp-states both``: every state) take their uniform clamped to
 [T, 1 - T], so a value within T of a gap from an entry takes that entry (the reference only). ``--reference``
-runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` and ``update`` run in the kernels.
+runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` runs in the kernels too.
 
 ``conv`` passes the rest to convergence.py, one process (its ``--workers`` must be 1: the rules are
 patched into this process); ``fid WIDTH LAYERS WARMUP`` runs the 25-step check (lr 6e-4, batch 16,
@@ -120,8 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("what", choices=("conv", "fid"))
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
-    if (args.rule == "bracket" or args.dither or args.clamp is not None) and not args.reference:
-        ap.error("--rule bracket, --dither and --clamp are patched into the reference: add --reference")
+    if (args.rule != "code" or args.dither or args.clamp is not None) and not args.reference:
+        ap.error("--rule update and bracket, --dither and --clamp run in the reference: add --reference")
     patch_rule(args.rule)
     if args.dither:
         patch_dither()

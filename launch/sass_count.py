@@ -90,7 +90,7 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 #: --rev's "@rounding": each state's requantization fixed at compile time, so that the common path is that
 #: rule's alone (without it the path takes the longest of the kernel's rules); "guided" is the default's,
 #: every state guided by its old code, and "guided_update" the default before it (signed states guided by
-#: their update, unsigned ones by their old code)
+#: their update, unsigned ones by their old code; revisions up to f873092, whose kernels still had it)
 ROUNDINGS = {"stochastic": ("Q8_ROUND_STOCHASTIC", "true"), "nearest": ("Q8_ROUND_NEAREST", "false"),
              "guided": ("Q8_ROUND_GUIDED_CODE", None),
              "guided_update": ("((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE", None)}

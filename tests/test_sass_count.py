@@ -92,8 +92,8 @@ def test_through_stochastic_makes_the_guided_requantization_cold(tmp_path):
     csrc = sass_count.sources(None, str(tmp_path), ["adamw"])
     path = os.path.join(csrc, "cuda", "q8_cuda_step.cuh")
     lines = open(path).read().split("\n")
-    guided = [i for i, l in enumerate(lines, start=1) if "requantize_guided<true>(tab[k]" in l]
-    assert guided, "the step kernel no longer calls requantize_guided as GUIDED_COLD expects"
+    guided = [i for i, l in enumerate(lines, start=1) if "requantize_guided_code<true>(tab[k]" in l]
+    assert guided, "the step kernel no longer calls requantize_guided_code as GUIDED_COLD expects"
     plain, through = sass_count.cold_lines(path), sass_count.cold_lines(path, sass_count.GUIDED_COLD)
     assert plain < through and all(i in through and i not in plain for i in guided)
     # the stochastic requantization stays on the path either way

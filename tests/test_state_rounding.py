@@ -301,9 +301,9 @@ def test_rounding_guided_by_the_old_code_draws_only_where_the_value_stalls_near_
         assert q[1:] == [0, 1]
 
 
-def test_the_rule_study_runs_the_update_rule_in_the_kernels_as_in_the_reference(monkeypatch):
+def test_the_rule_study_runs_the_update_rule_in_the_reference_and_the_kernels_refuse_it(monkeypatch):
     """launch/rule_study.py's ``--rule update`` (the default before, which no option selects) reaches the
-    kernels and the reference alike, and only for ``state_rounding="guided"``."""
+    reference, only for ``state_rounding="guided"``; the kernels refuse it by name and write nothing."""
     import importlib
     import os
     import sys
@@ -321,5 +321,17 @@ def test_the_rule_study_runs_the_update_rule_in_the_kernels_as_in_the_reference(
     opt = ds_q8.AdamW8bitBlock([p])
     assert opt.stochastic_states(opt.param_groups[0]) == (2, 3)
     assert plan.stochastic_states(dict(state_rounding="stochastic"), (True, False)) == (1, 1)
-    kernel, reference = run_both(ds_q8.AdamW8bitBlock, {}, 3 * 256 + 7, torch.float32, steps=3, block_size=256)
-    assert_same_run(kernel, reference)
+    torch.manual_seed(0)
+    q = torch.nn.Parameter(torch.randn(3 * 256 + 7))
+    start = q.detach().clone()
+    reference = ds_q8.AdamW8bitBlock([q], impl="reference", block_size=256, min_8bit_size=0)
+    for _ in range(3):
+        q.grad = torch.randn_like(q)
+        reference.step()
+    assert not torch.equal(q.detach(), start)
+    kernel = ds_q8.AdamW8bitBlock([p], impl="kernel", min_8bit_size=0)
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="stochastic_states entries must be .* the PyTorch reference's alone"):
+        kernel.step()
+    assert torch.equal(p.detach(), before)

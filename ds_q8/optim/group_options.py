@@ -127,8 +127,9 @@ def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
     :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
     (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned
     ones only stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none
-    (``"nearest"``). :data:`ROUND_GUIDED` (guided by the update) is the kernels' and the reference's, for
-    studies: no option asks for it, since it runs ahead of a changing value (``functional.py``'s module doc).
+    (``"nearest"``). :data:`ROUND_GUIDED` (guided by the update) is the PyTorch reference's alone, for
+    studies (the kernels refuse it): no option asks for it, since it runs ahead of a changing value
+    (``functional.py``'s module doc).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
     those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by

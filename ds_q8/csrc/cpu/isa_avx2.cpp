@@ -161,11 +161,6 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         return picked<false, false>(y, lo, hi, pick, zero_point);
     }
 
-    // Guided requantization (q8_round_guided) of 8 values y = x * scale between entries lo (c_lo) and hi
-    // (c_hi): the nearer one where it moves the value from prev the way x moved, else the stochastic one
-    // with the random bits draw() gives; then the unsigned map's zero point and NaN to the top code. With
-    // `lazy`, draw() runs only when some lane needs it: the same codes, and a first moment keeps its
-    // nearer entry in all 8 lanes of most vectors.
     // The index a choice gives: hi where go_up, else lo (kNext: hi is lo + 1 from the floor tables, so lo
     // minus the all-ones mask); then the unsigned map's zero point where it applies and NaN to the top
     // code (kFinite: the block's maximum is finite, so no value is NaN).
@@ -179,31 +174,11 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         return kFinite ? idx : nan_to_top(idx, y);
     }
 
-    // kFinite: the block's maximum is finite, so no value is NaN; kNext: hi is lo + 1.
-    // zero_point: apply the unsigned map's (false where the floor tables fold it in).
-    template <bool kFinite = false, bool kNext = false, class Draw>
-    static __m256i pick_guided(__m256 y, __m256 c_lo, __m256 c_hi, __m256i lo, __m256i hi, __m256 x, __m256 prev,
-                               __m256 vA, bool zero_point, bool lazy, Draw draw) {
-        const __m256 gap = _mm256_sub_ps(c_hi, c_lo), above = _mm256_sub_ps(y, c_lo);
-        const __m256 near_up = _mm256_cmp_ps(_mm256_mul_ps(gap, _mm256_set1_ps(0.5f)), above, _CMP_LT_OQ);
-        const __m256 moved = _mm256_mul_ps(_mm256_blendv_ps(c_lo, c_hi, near_up), vA);
-        const __m256 keep = _mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(moved, prev), _mm256_sub_ps(x, prev)),
-                                          _mm256_setzero_ps(), _CMP_GT_OQ);
-        __m256 go_up = near_up;
-        if (!lazy || _mm256_movemask_ps(keep) != 0xFF) {
-            const __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(draw(), 8)),
-                                           _mm256_set1_ps(5.9604644775390625e-08f));
-            go_up = _mm256_blendv_ps(_mm256_cmp_ps(_mm256_mul_ps(u, gap), above, _CMP_LT_OQ), near_up, keep);
-        }
-        return picked<kFinite, kNext>(y, lo, hi, go_up, zero_point);
-    }
-
-    // q8_round_stochastic on 8 values at a time (guided where prev is given): the two map entries
-    // around each by gathers.
+    // q8_round_stochastic on 8 values at a time (guided by the old codes where old is given): the two map
+    // entries around each by gathers.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table,
-                                       const float* code, uint32_t key, uint32_t first, const float* prev,
-                                       const uint8_t* old) {
-        const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax)), vA = _mm256_set1_ps(absmax);
+                                       const float* code, uint32_t key, uint32_t first, const uint8_t* old) {
+        const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax));
         const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         const bool unsigned_map = code[0] == 0.0f;
@@ -222,14 +197,8 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
             const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
             const __m256i r = draw_bits(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
-            __m256i idx;
-            if (prev)
-                idx = pick_guided(y, c_lo, c_hi, lo, hi, _mm256_load_ps(x + i), _mm256_load_ps(prev + i), vA, unsigned_map,
-                                  false, [&] { return r; });
-            else if (old)
-                idx = pick_by_code(y, c_lo, c_hi, lo, hi, load_codes(old + i, cnt), r, unsigned_map);
-            else
-                idx = pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map);
+            const __m256i idx = old ? pick_by_code(y, c_lo, c_hi, lo, hi, load_codes(old + i, cnt), r, unsigned_map)
+                                    : pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map);
             store_bytes(codes + i, idx, cnt);
         }
     }
@@ -323,17 +292,15 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             return;
         }
         const FloorMap& fm = *sr->floor;
-        const bool unsigned_map = sr->code[0] == 0.0f;
         const __m256i key = _mm256_set1_epi32((int)sr->key), one = _mm256_set1_epi32(1), eight = _mm256_set1_epi32(8);
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
             const int blen = len - b0 < bs ? len - b0 : bs;
-            const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax[j])), vA = _mm256_set1_ps(absmax[j]);
+            const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax[j]));
             const bool finite = absmax[j] < INFINITY;  // NaN is not
             __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(sr->first + (uint32_t)b0)), iota);
             for (int i = 0; i < blen; i += W, index = _mm256_add_epi32(index, eight)) {
-                const __m256 xv = _mm256_load_ps(x + b0 + i);
-                const __m256 y = _mm256_mul_ps(xv, vscale);
+                const __m256 y = _mm256_mul_ps(_mm256_load_ps(x + b0 + i), vscale);
                 __m256i lo;
                 __m256 c_lo, c_hi;
                 floor_pair(y, fm, lo, c_lo, c_hi);
@@ -344,11 +311,6 @@ struct Avx2 : PerVectorBlocks<Avx2> {
                     const __m256i old = load_codes(out + b0 + i, cnt), r = draw_bits(_mm256_xor_si256(index, key));
                     idx = finite ? pick_by_code<true, true>(y, c_lo, c_hi, lo, hi, old, r, false)
                                  : pick_by_code<false, true>(y, c_lo, c_hi, lo, hi, old, r, false);
-                } else if (sr->prev) {  // guided: a signed map's (a first moment's) hash only where a lane needs it
-                    const __m256 prev = _mm256_load_ps(sr->prev + b0 + i);
-                    auto draw = [&] { return draw_bits(_mm256_xor_si256(index, key)); };
-                    idx = finite ? pick_guided<true, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw)
-                                 : pick_guided<false, true>(y, c_lo, c_hi, lo, hi, xv, prev, vA, false, !unsigned_map, draw);
                 } else {
                     idx = pick_entry(y, c_lo, c_hi, lo, hi, draw_bits(_mm256_xor_si256(index, key)), false);
                 }

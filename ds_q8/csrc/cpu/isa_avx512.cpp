@@ -159,7 +159,7 @@ struct Avx512 : Avx512Vectors {
         if (by_code) memcpy(old, out, (size_t)len);
         block_scales(absmax, nb, scales);
         nearest<kSearch>(out, x, len, absmax, scales, bs, lookup, fast);
-        if (sr) round_stochastic(out, x, len, absmax, scales, bs, *sr, by_code ? old : nullptr);
+        if (sr) round_stochastic(out, x, len, scales, bs, *sr, by_code ? old : nullptr);
     }
 
     template <int kSearch>
@@ -186,29 +186,21 @@ struct Avx512 : Avx512Vectors {
     }
 
     // The nearest codes of x in `codes` turned into stochastically rounded ones, 64 at a time: guided by
-    // the values before the update (sr.prev) or by the old codes (`old`) where either is given.
-    static void round_stochastic(uint8_t* codes, const float* x, int len, const float* absmax, const float* scales,
+    // the old codes (`old`) where they are given.
+    static void round_stochastic(uint8_t* codes, const float* x, int len, const float* scales,
                                  int bs, const Stochastic<Table>& sr, const uint8_t* old) {
         const SrRegs g = sr_regs(sr);
-        __m512 vscale = _mm512_setzero_ps(), vA = _mm512_setzero_ps();
+        __m512 vscale = _mm512_setzero_ps();
         for (int i = 0, j = -1, next = 0; i < len; i += 64) {
             if (i >= next) {  // the next block starts here
                 ++j, next += bs;
-                vscale = _mm512_set1_ps(scales[j]), vA = _mm512_set1_ps(absmax[j]);
+                vscale = _mm512_set1_ps(scales[j]);
             }
             const int cnt = len - i;
             const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
             const __m512i n = _mm512_maskz_loadu_epi8(live, codes + i);
-            __m512i idx;
-            if (sr.prev) {
-                const Guide guide{vA, sr.prev + i, _mm512_setzero_si512()};
-                idx = stochastic64<kByUpdate>(n, x + i, vscale, sr, g, (uint32_t)i, guide);
-            } else if (old) {
-                const Guide guide{vA, nullptr, _mm512_maskz_loadu_epi8(live, old + i)};
-                idx = stochastic64<kByCode>(n, x + i, vscale, sr, g, (uint32_t)i, guide);
-            } else {
-                idx = stochastic64<kUnguided>(n, x + i, vscale, sr, g, (uint32_t)i, Guide{});
-            }
+            const __m512i idx = old ? stochastic64<true>(n, x + i, vscale, sr, g, (uint32_t)i, _mm512_maskz_loadu_epi8(live, old + i))
+                                    : stochastic64<false>(n, x + i, vscale, sr, g, (uint32_t)i, _mm512_setzero_si512());
             _mm512_mask_storeu_epi8(codes + i, live, idx);
         }
     }
@@ -233,23 +225,14 @@ struct Avx512 : Avx512Vectors {
                       _mm512_set1_epi32((int)sr.key), sr.code[0] == 0.0f};
     }
 
-    // What guided rounding reads besides the values (q8_round_guided, q8_round_guided_code): the block's
-    // stored maximum, each value before the update (kByUpdate) or each old code (kByCode).
-    enum GuideKind { kUnguided, kByUpdate, kByCode };
-    struct Guide {
-        __m512 absmax;
-        const float* prev;
-        __m512i old;
-    };
-
     // q8_round_stochastic on 64 values x[0..64) (scaled by vscale) whose nearest codes are n, the
     // first of them element `at` of the call (its random bits: sr.first + at + lane); the map entries
-    // around each come from the byte planes of the dequantization table (no gathers). Guided (kGuide), the
-    // nearer of the two entries replaces the stochastic one where the rule keeps it: by the update, where
-    // it moves the value from prev the way x moved; by the code, where the old code is neither entry.
-    template <GuideKind kGuide>
+    // around each come from the byte planes of the dequantization table (no gathers). Guided by the old
+    // codes `old` (kByCode, q8_round_guided_code), the nearer of the two entries replaces the stochastic one
+    // where the old code is neither entry.
+    template <bool kByCode>
     static __m512i stochastic64(__m512i n, const float* x, __m512 vscale, const Stochastic<Table>& sr,
-                                const SrRegs& g, uint32_t at, const Guide& guide) {
+                                const SrRegs& g, uint32_t at, __m512i old) {
         const __m512 one_f = _mm512_set1_ps(1.0f);
         const __m512i ones8 = _mm512_set1_epi8(1);
         const Table& t = *sr.table;
@@ -266,8 +249,7 @@ struct Avx512 : Avx512Vectors {
         values64(cn, nb, t, one_f);
         const __m512i lo = _mm512_mask_blend_epi8(up64, nb, n), hi = _mm512_mask_blend_epi8(up64, n, nb);
         // by the code: the lanes that draw, whose old code is one of the two entries
-        const __mmask64 draws = kGuide == kByCode ? _mm512_cmpeq_epi8_mask(guide.old, lo) | _mm512_cmpeq_epi8_mask(guide.old, hi)
-                                                  : (__mmask64)0;
+        const __mmask64 draws = kByCode ? _mm512_cmpeq_epi8_mask(old, lo) | _mm512_cmpeq_epi8_mask(old, hi) : (__mmask64)0;
         __mmask16 pick[4], pos[4], nan[4];
         for (int q = 0; q < 4; ++q) {
             const __m512 c_lo = _mm512_mask_blend_ps(up[q], cn[q], c[q]);
@@ -278,16 +260,8 @@ struct Avx512 : Avx512Vectors {
             __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
             // by the code: the nearer entry's test is the draw's with 0.5 for u, so the lanes that keep
             // the nearer entry take 0.5 and one product serves both (0.5 * gap is gap * 0.5, exactly)
-            if (kGuide == kByCode) u = _mm512_mask_blend_ps((__mmask16)(draws >> (16 * q)), _mm512_set1_ps(0.5f), u);
+            if (kByCode) u = _mm512_mask_blend_ps((__mmask16)(draws >> (16 * q)), _mm512_set1_ps(0.5f), u);
             pick[q] = _mm512_cmp_ps_mask(_mm512_mul_ps(u, gap), above, _CMP_LT_OQ);
-            if (kGuide == kByUpdate) {
-                const __mmask16 near_up = _mm512_cmp_ps_mask(_mm512_mul_ps(gap, _mm512_set1_ps(0.5f)), above, _CMP_LT_OQ);
-                const __m512 moved = _mm512_mul_ps(_mm512_mask_blend_ps(near_up, c_lo, c_hi), guide.absmax);
-                const __m512 prev = _mm512_load_ps(guide.prev + 16 * q), xv = _mm512_load_ps(x + 16 * q);
-                const __mmask16 keep = _mm512_cmp_ps_mask(_mm512_mul_ps(_mm512_sub_ps(moved, prev), _mm512_sub_ps(xv, prev)),
-                                                          _mm512_setzero_ps(), _CMP_GT_OQ);  // take the nearer entry
-                pick[q] = (__mmask16)((keep & near_up) | (~keep & pick[q]));
-            }
             pos[q] = _mm512_cmp_ps_mask(y[q], _mm512_setzero_ps(), _CMP_GT_OQ);
             nan[q] = _mm512_cmp_ps_mask(y[q], y[q], _CMP_UNORD_Q);
         }

@@ -19,8 +19,7 @@ namespace {
 
 // Stochastic requantization of a call's values (q8_round_stochastic): the map as the instruction set
 // prepared it, the map itself, the state's key, the index of the call's first value in its parameter,
-// the map's floor tables (null when the map has none), and for guided requantization (q8_round_guided)
-// each value before the step's update (null: stochastic), or for requantization guided by the old code
+// the map's floor tables (null when the map has none), and for requantization guided by the old code
 // (q8_round_guided_code) `by_code`: the codes a call writes hold the old ones when it starts.
 template <class Table>
 struct Stochastic {
@@ -29,7 +28,6 @@ struct Stochastic {
     uint32_t key;
     uint32_t first;
     const FloorMap* floor;
-    const float* prev;
     bool by_code;
 };
 
@@ -68,23 +66,20 @@ struct PerVectorBlocks {
             Self::quantize_block(out + b0, x + b0, blen, absmax[j], lookup, fast);
             if (sr)
                 Self::round_block_stochastic(out + b0, x + b0, blen, absmax[j], *sr->table, sr->code, sr->key,
-                                             sr->first + (uint32_t)b0, sr->prev ? sr->prev + b0 : nullptr,
-                                             by_code ? old : nullptr);
+                                             sr->first + (uint32_t)b0, by_code ? old : nullptr);
         }
     }
 
-    // One value at a time (the scalar driver; the AVX2 one has its own); guided where prev (by the
-    // update) or old (by the old codes) is given.
+    // One value at a time (the scalar driver; the AVX2 one has its own); guided by the old codes where
+    // old is given.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table code,
-                                       const float*, uint32_t key, uint32_t first, const float* prev,
-                                       const uint8_t* old) {
+                                       const float*, uint32_t key, uint32_t first, const uint8_t* old) {
         const float scale = q8_block_scale(absmax);
         for (int i = 0; i < len; ++i) {
             const uint32_t r = q8_sr_bits(key, first + (uint32_t)i);
             const float y = x[i] * scale;
-            codes[i] = (uint8_t)(prev  ? q8_round_guided(y, codes[i], code, r, x[i], prev[i], absmax)
-                                 : old ? q8_round_guided_code(y, codes[i], code, r, old[i])
-                                       : q8_round_stochastic(y, codes[i], code, r));
+            codes[i] = (uint8_t)(old ? q8_round_guided_code(y, codes[i], code, r, old[i])
+                                     : q8_round_stochastic(y, codes[i], code, r));
         }
     }
 

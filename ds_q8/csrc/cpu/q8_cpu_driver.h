@@ -132,10 +132,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
 #pragma omp parallel num_threads(args[0].num_threads)
     {
         alignas(64) float tmp[K][kMaxBlock];
-        alignas(64) float prev[K][kMaxBlock];  // guided states only: each value before the update
         alignas(64) float deq[kMaxBlock];  // telemetry only: the requantized values of a tile
-        bool guided[K];
-        for (int k = 0; k < K; ++k) guided[k] = args[0].stochastic_states[k] == Q8_ROUND_GUIDED;
         typename I::Table table[K];
         for (int k = 0; k < K; ++k) table[k] = I::prepare(args[0].code[k]);
         int t = 0;
@@ -213,10 +210,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                     V p = load_param<I>(param + start + at, cnt, a, start + at);
                     V g = I::load(grad + start + at, cnt);
                     V st[K];
-                    for (int k = 0; k < K; ++k) {
-                        st[k] = s[k][j];
-                        if (guided[k]) I::store_tmp(prev[k] + at, st[k]);
-                    }
+                    for (int k = 0; k < K; ++k) st[k] = s[k][j];
                     rule(p, g, st);
                     store_param<I>(param + start + at, p, cnt, a, start + at);
                     for (int k = 0; k < K; ++k) {
@@ -236,10 +230,8 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
             }
             for (int k = 0; k < K; ++k) {
                 uint8_t* codes = a.codes[k] + start;
-                const bool guide = guided[k] && a.stochastic_states[k] == Q8_ROUND_GUIDED;
                 const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
                                                        (uint32_t)(a.sr_index + start), a.floor[k],
-                                                       guide ? prev[k] : nullptr,
                                                        a.stochastic_states[k] == Q8_ROUND_GUIDED_CODE};
                 I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
                                      a.stochastic_states[k] ? &sr : nullptr);

@@ -187,44 +187,8 @@ __device__ __forceinline__ bool old_code_near(const uint32_t (&old)[2], int i, u
     return ((old[i >> 2] - (f << shift)) & (0xFEu << shift)) == 0u;
 }
 
-// Both choices of the rule guided by the update (q8_guide_pair, q8_guide_pick) from F's pair read:
-// whether the nearer entry is F + 1 (gap * 0.5 < y - code[F], gap * 0.5 being pair.y * 2^23 exactly), and
-// whether the stochastic draw goes up (as round_stochastic_by_table). Both are computed and one is selected, the
-// random bits drawn for every element: a warp issues the draw wherever one of its lanes needs it, and
-// a branch around it would cost more than it skips.
-struct GuidedChoice {
-    uint32_t f;
-    bool near_up, draw_up;
-};
-template <bool kPositive>
-__device__ __forceinline__ GuidedChoice guided_choice(const FloorTable& t, float y, uint32_t r) {
-    const uint32_t f = floor_index<kPositive>(t, y);
-    const float2 pr = reinterpret_cast<const float2*>(t.pair)[f];
-    const float above = y - pr.x;
-    return {f, pr.y * 8388608.0f < above, (float)(r >> 8) * pr.y < above};
-}
-
-// The 8 codes of a thread's values of state k, guided (q8_round_guided) by their values before the
-// update, prev: the nearer entry kept where it moves the value from prev the way x moved (q8_guided_keep),
-// else stochastic rounding between F and F + 1; then the zero point of a positive map (where the pair
-// table's zero-point gap of 0 gives the same codes as the map's gap). A finite block's values are finite.
-template <bool kPositive>
-__device__ __forceinline__ void requantize_guided(const FloorTable& t, const float (&x)[kElems],
-                                                  const float (&prev)[kElems], float scale, float absmax,
-                                                  uint32_t key, uint32_t index, uint32_t (&idx)[kElems]) {
-#pragma unroll
-    for (int i = 0; i < kElems; ++i) {
-        const float y = table_scaled(x[i], scale);
-        const GuidedChoice c = guided_choice<kPositive>(t, y, q8_sr_bits(key, index + i));
-        const float nearer = t.code[c.f + (c.near_up ? 1u : 0u)];
-        const bool up = q8_guided_keep(x[i], prev[i], nearer * absmax) ? c.near_up : c.draw_up;
-        idx[i] = c.f + (up ? 1u : 0u);
-        if (kPositive && idx[i] == 0u && y > 0.0f) idx[i] = 1u;
-    }
-}
-
-// The same guided by the old codes (q8_round_guided_code): stochastic where the old code is F or F + 1,
-// the nearer entry elsewhere. The two tests differ only in the factor of the pair's gap, the draw
+// The 8 codes of a thread's values of state k guided by their old codes (q8_round_guided_code):
+// stochastic rounding between F and F + 1 where the old code is F or F + 1, the nearer entry elsewhere. The two tests differ only in the factor of the pair's gap, the draw
 // (r >> 8) or 2^23, so the factor is selected and one product compared (the same bits: a product of two
 // floats does not depend on their order). No zero-point correction: the zero point's gap of 0 sends every
 // positive value of a positive map's pair (0, 1) up to 1 either way.
@@ -249,10 +213,9 @@ __device__ __forceinline__ void requantize_guided_code(const FloorTable& t, cons
 
 // The exact path: any value (NaN, infinity, beyond the table's range), through the lookup table.
 __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint32_t* lookup, float x, float scale,
-                                                int mode, uint32_t r, uint32_t old, float prev, float absmax) {
+                                                int mode, uint32_t r, uint32_t old) {
     const float y = x * scale;
     const uint32_t n = q8_quantize_scaled(y, lookup);
-    if (mode == Q8_ROUND_GUIDED) return q8_round_guided(y, n, t.code, r, x, prev, absmax);
     if (mode == Q8_ROUND_GUIDED_CODE) return q8_round_guided_code(y, n, t.code, r, old);
     return mode == Q8_ROUND_STOCHASTIC ? q8_round_stochastic(y, n, t.code, r) : n;
 }
@@ -264,30 +227,14 @@ __device__ __forceinline__ uint32_t round_exact(const FloorTable& t, const uint3
 // maximum is not finite takes the exact path, as does a map without a table.
 constexpr int kStepThreads = 256;  // CUDA block size unless a quantization block needs more
 
-// kGuided: the default's rounding (state_rounding="guided": every state guided by its old code;
-// guided_mode) fixed at compile time, so that the kernel holds that rounding's code alone. The other
-// kernel reads each state's rounding from the list, nearest or stochastic only (the launcher refuses
-// guided rounding in any other form): it keeps no old codes. Guidance by the update (Q8_ROUND_GUIDED,
-// requantize_guided) stays here for the compile-time counts of launch/sass_count.py; no launch asks for it.
-template <class Rule>
-__host__ __device__ constexpr int guided_mode(int) {
-    return Q8_ROUND_GUIDED_CODE;
-}
-template <class Rule>
-__host__ __device__ constexpr bool guided_by_update() {
-    for (int k = 0; k < Rule::kStates; ++k)
-        if (guided_mode<Rule>(k) == Q8_ROUND_GUIDED) return true;
-    return false;
-}
+// kGuided: the default's rounding (state_rounding="guided": every state guided by its old code) fixed at
+// compile time, so that the kernel holds that rounding's code alone. The other kernel reads each state's
+// rounding from the list, nearest or stochastic only (the launcher refuses guided rounding in any other
+// form): it keeps no old codes.
 
 template <class Rule, class P, class G, bool kGuided>
 __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
-    // whether guided requantization keeps a signed state's values before the update in registers (6.6
-    // instructions an element fewer than dequantizing them again) for guidance by the update: only where
-    // guided_mode asks for it, and not with fp16 parameters, which have no registers to spare
-    // (launch/ptxas_report.py: they would spill)
-    constexpr bool kKeepPrev = kGuided && guided_by_update<Rule>() && !std::is_same<P, q8_half>::value;
     if (list_skipped(list)) return;
     Q8_DYNAMIC_SHARED(FloorTable, tab);  // K tables
     __shared__ uint32_t red[1024 / 32];
@@ -308,18 +255,15 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
         int8_t* corr = a.correction ? a.correction + start : nullptr;
 
         float p[kElems], g[kElems], s[K][kElems];
-        // what guided requantization reads (kGuided): each state's old codes, packed, and block maximum, from
-        // which its values before the update (prev) are dequantized again; a signed state's prev kept (kKeepPrev)
-        uint32_t old[K][2];
-        float prev[K][kElems], old_absmax[K];
+        uint32_t old[K][2];  // what guided requantization reads (kGuided): each state's old codes, packed
 #pragma unroll
         for (int i = 0; i < kElems; ++i) {
             p[i] = g[i] = 0.0f;
 #pragma unroll
-            for (int k = 0; k < K; ++k) s[k][i] = prev[k][i] = 0.0f;
+            for (int k = 0; k < K; ++k) s[k][i] = 0.0f;
         }
 #pragma unroll
-        for (int k = 0; k < K; ++k) old[k][0] = old[k][1] = 0u, old_absmax[k] = 0.0f;
+        for (int k = 0; k < K; ++k) old[k][0] = old[k][1] = 0u;
         if (live) {
             load_param8(param + start, p, cnt, a.align_param, corr);
             load8(grad + start, g, cnt, a.align_grad);
@@ -330,14 +274,9 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
                 const float am = q8_absmax_load(a.absmax[k][qblock]);
 #pragma unroll
                 for (int i = 0; i < kElems; ++i) s[k][i] = tab[k].code[c[i]] * am;
-                if (kKeepPrev && ((Rule::kSigned >> k) & 1u)) {
-#pragma unroll
-                    for (int i = 0; i < kElems; ++i) prev[k][i] = s[k][i];
-                }
                 if (kGuided) {
                     old[k][0] = c[0] | (c[1] << 8) | (c[2] << 16) | (c[3] << 24);
                     old[k][1] = c[4] | (c[5] << 8) | (c[6] << 16) | (c[7] << 24);
-                    old_absmax[k] = am;
                 }
             }
             apply_rule(rule, p, g, s);
@@ -366,7 +305,7 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             const float absmax = q8_absmax_load(stored);
             const float scale = q8_block_scale(absmax);
             const int listed = list.stochastic_states[k];
-            const int mode = kGuided ? guided_mode<Rule>(k) : listed;
+            const int mode = kGuided ? Q8_ROUND_GUIDED_CODE : listed;
             const bool sr = mode == Q8_ROUND_STOCHASTIC;
             const uint32_t key = q8_state_key(a.sr_key, k);
             const uint32_t index = (uint32_t)(a.sr_index + start);
@@ -374,14 +313,7 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
             // the state's kind of map is the rule's (kSigned); a map of the other kind takes the exact path
             const bool positive = ((Rule::kSigned >> k) & 1u) == 0u;
             const bool fast = table[k] && maxbits < 0x7F800000u && (tab[k].positive_only != 0u) == positive;
-            if (kGuided && (positive || !kKeepPrev) && (mode == Q8_ROUND_GUIDED || !fast)) {  // prev again
-#pragma unroll
-                for (int i = 0; i < kElems; ++i) prev[k][i] = tab[k].code[old_code(old[k], i)] * old_absmax[k];
-            }
-            if (kGuided && fast && mode == Q8_ROUND_GUIDED) {
-                if (positive) requantize_guided<true>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
-                else requantize_guided<false>(tab[k], s[k], prev[k], scale, absmax, key, index, idx);
-            } else if (kGuided && fast && mode == Q8_ROUND_GUIDED_CODE) {
+            if (kGuided && fast) {
                 if (positive) requantize_guided_code<true>(tab[k], s[k], old[k], scale, key, index, idx);
                 else requantize_guided_code<false>(tab[k], s[k], old[k], scale, key, index, idx);
             } else if (fast && sr) {
@@ -395,7 +327,7 @@ __global__ void __launch_bounds__(512, Rule::kStates > 2 ? 1 : 2) step_kernel(co
                 for (int i = 0; i < kElems; ++i)
                     idx[i] = round_exact(tab[k], list.lookup[k], s[k][i], scale, mode,
                                          mode != Q8_ROUND_NEAREST ? q8_sr_bits(key, index + i) : 0u,
-                                         old_code(old[k], i), prev[k][i], absmax);
+                                         old_code(old[k], i));
             }
             store_bits8(static_cast<uint8_t*>(a.state[k]) + start, idx, cnt, a.align_state);
             if (a.error_sums != nullptr) {  // quantization telemetry: off by default, no host sync when on

@@ -137,13 +137,12 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     }
     bool guided = true, any_guided = false;  // the default's rounding: its own kernel (step_kernel's kGuided)
     for (int k = 0; k < K; ++k) {
-        guided = guided && list.stochastic_states[k] == guided_mode<Rule>(k);
-        any_guided = any_guided || list.stochastic_states[k] >= Q8_ROUND_GUIDED;
+        guided = guided && list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
+        any_guided = any_guided || list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
     }
     TORCH_CHECK_VALUE(guided || !any_guided, "stochastic_states: the CUDA step takes guided rounding only as "
                       "state_rounding=\"guided\" gives it (", Q8_ROUND_GUIDED_CODE, ", by the old code, for every "
-                      "state; ", Q8_ROUND_GUIDED, ", by the update, not at all); mix nearest (",
-                      Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
+                      "state); mix nearest (", Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
     if (guided) launch_lists(b, list, step_kernel<Rule, P, G, true>, rule, threads, K * sizeof(FloorTable));
     else launch_lists(b, list, step_kernel<Rule, P, G, false>, rule, threads, K * sizeof(FloorTable));
 }

@@ -159,9 +159,10 @@ inline void check_stochastic_choices(bool has_keys, const std::vector<int64_t>& 
                       "state (", k, "), got ", states.size());
     bool any = false;
     for (int64_t s : states) {
-        TORCH_CHECK_VALUE(s >= Q8_ROUND_NEAREST && s <= Q8_ROUND_GUIDED_CODE, "stochastic_states entries must be in [",
-                          Q8_ROUND_NEAREST, ", ", Q8_ROUND_GUIDED_CODE,
-                          "] (nearest, stochastic, guided by the update, guided by the old code), got ", s);
+        TORCH_CHECK_VALUE(s == Q8_ROUND_NEAREST || s == Q8_ROUND_STOCHASTIC || s == Q8_ROUND_GUIDED_CODE,
+                          "stochastic_states entries must be ", Q8_ROUND_NEAREST, " (nearest), ", Q8_ROUND_STOCHASTIC,
+                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s,
+                          s == 2 ? " (guidance by the update is the PyTorch reference's alone)" : "");
         any = any || s != Q8_ROUND_NEAREST;
     }
     TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");

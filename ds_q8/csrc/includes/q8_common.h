@@ -65,12 +65,12 @@ Q8_HD float q8_float(uint32_t u) {
 constexpr int64_t Q8_MIN_BLOCK = 64;
 constexpr int64_t Q8_MAX_BLOCK = 4096;
 constexpr int Q8_MAX_STATES = 3;
-// How a state is requantized (group_options.py ROUND_*): to nearest, stochastically, or guided
-// (to nearest unless that leaves the value where it stood or moves it against its update).
+// How a state is requantized (group_options.py ROUND_*): to nearest, stochastically, or guided by its old
+// code (stochastically where the old code is one of the two entries around the value, else to nearest).
+// 2, guidance by the update, is a rule of the PyTorch reference alone (a study); the kernels refuse it.
 constexpr int Q8_ROUND_NEAREST = 0;
 constexpr int Q8_ROUND_STOCHASTIC = 1;
-constexpr int Q8_ROUND_GUIDED = 2;
-constexpr int Q8_ROUND_GUIDED_CODE = 3;  // stochastic where the old code is one of the two entries around y
+constexpr int Q8_ROUND_GUIDED_CODE = 3;
 // Telemetry sums per state (optim/telemetry.py): sum |requantized - x|, sum |x|, and how many nonzero
 // values were requantized to zero.
 constexpr int Q8_TELEMETRY_SUMS = 3;
@@ -180,12 +180,7 @@ Q8_HD uint32_t q8_round_stochastic(float y, uint32_t nearest, const float* code,
     return idx;
 }
 
-// Guided requantization (functional.py): keep the nearer entry of the pair around y where its value,
-// `moved` = c * A, and the new value x lie on the same side of the value before the update, `prev`:
-// (moved - prev) * (x - prev) > 0 in float32 (an underflow to 0, or NaN, does not keep).
-Q8_HD bool q8_guided_keep(float x, float prev, float moved) { return (moved - prev) * (x - prev) > 0.0f; }
-
-// The guided rules' common part (functional.py): the entries lo and hi around y (finite) from its nearest
+// Guided requantization's parts (functional.py): the entries lo and hi around y (finite) from its nearest
 // code, and whether it goes up to hi with `draw` (stochastically, random bits r) or without it (to the
 // nearer entry), then the unsigned map's zero point.
 struct Q8Guide {
@@ -203,15 +198,6 @@ Q8_HD uint32_t q8_guide_pick(const Q8Guide& g, bool draw, uint32_t r, float y, c
     uint32_t idx = go_up ? g.hi : g.lo;
     if (code[0] == 0.0f && idx == 0u && y > 0.0f) idx = 1u;
     return idx;
-}
-
-// q8_round_stochastic guided by the update (functional.py): y = x * scale, A the block's stored maximum,
-// r the stochastic rule's random bits, `nearest` y's nearest code.
-Q8_HD uint32_t q8_round_guided(float y, uint32_t nearest, const float* code, uint32_t r, float x, float prev, float A) {
-    if (y != y) return 255u;
-    const Q8Guide g = q8_guide_pair(y, nearest, code);
-    const float nearer = g.gap * 0.5f < g.above ? code[g.hi] : code[g.lo];
-    return q8_guide_pick(g, !q8_guided_keep(x, prev, nearer * A), r, y, code);
 }
 
 // q8_round_stochastic guided by the old code (functional.py): stochastic where `old`, the state's code
