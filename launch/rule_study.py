@@ -20,7 +20,11 @@ runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` runs in the 
 
 ``conv`` passes the rest to convergence.py, one process (its ``--workers`` must be 1: the rules are
 patched into this process); ``fid WIDTH LAYERS WARMUP`` runs the 25-step check (lr 6e-4, batch 16,
-weight decay 0.1 on the matrices) on one thread and prints one JSON line. A study, not a product path.
+weight decay 0.1 on the matrices) on one thread and prints one JSON line; ``stall`` (``--rule code``) prints
+the first moment's stall test of ``tests/test_state_rounding.py`` under the rule as patched: 2048 first
+moments in one block whose maximum is held, beta1 = 0.9, 60 steps of a gradient growing 2%, shrinking 2%
+and growing 5% a step, each one's mean ratio to its fp32 value (``--map``: on another signed map, named as
+``launch/arith_maps.py`` names them). A study, not a product path.
 """
 from __future__ import annotations
 
@@ -111,6 +115,25 @@ def patch_clamp(theta: float, states: str) -> None:
     F.quantize_scaled = quantize_scaled
 
 
+def stall(growth: float, steps: int = 60, n: int = 2048, code=None) -> float:
+    """The mean ratio of first moments requantized by the old-code rule (as patched) to their fp32 values,
+    on ``code`` (the signed dynamic map unless given)."""
+    code, beta = F.create_dynamic_map(True) if code is None else code, 0.9
+    g0 = torch.linspace(0.01, 0.2, n) * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
+    avg32, stored = torch.zeros(n), torch.zeros(n)
+    old = F.quantize_scaled(stored, code).long()
+    for t in range(steps):
+        x = g0 * growth ** t
+        x[0] = 1.0  # the block's maximum, held
+        avg32 = beta * avg32 + (1 - beta) * x
+        a = beta * stored + (1 - beta) * x
+        absmax = F.block_absmax(a, n)
+        bits = rounding.random_bits(plan.step_key(0, t + 1), torch.arange(n))
+        old = F.quantize_with_absmax(a, absmax, code, n, bits, old=old).long()
+        stored = F.dequantize_flat(old.to(torch.uint8), absmax, code, n)
+    return float((stored / avg32)[1:].mean())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rule", choices=("code", "update", "bracket"), default="code")
@@ -118,7 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--clamp", type=float, help="old-code draws clamped to [CLAMP, 1 - CLAMP] (the reference only)")
     ap.add_argument("--clamp-states", choices=("signed", "both"), default="signed")
     ap.add_argument("--reference", action="store_true", help='impl="reference" (needed by bracket and --dither)')
-    ap.add_argument("what", choices=("conv", "fid"))
+    ap.add_argument("--map", help="stall: the signed map, a launch/arith_maps.py name (e3m4, dyn6, ...)")
+    ap.add_argument("what", choices=("conv", "fid", "stall"))
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     if (args.rule != "code" or args.dither or args.clamp is not None) and not args.reference:
@@ -137,6 +161,14 @@ def main(argv=None) -> int:
         if args.rest[args.rest.index("--workers") + 1] != "1":
             ap.error("conv: --workers must be 1 (the rule is patched into this process)")
         return convergence.main(args.rest)
+    if args.what == "stall":
+        if args.rule != "code":
+            ap.error("stall: --rule code only (the test itself measures the update rule)")
+        import arith_maps
+        code = None if args.map is None else arith_maps.make_map(args.map, True)
+        print(json.dumps(dict(rule=args.rule, dither=args.dither, clamp=args.clamp, map=args.map or "dynamic",
+                              ratio={str(g): round(stall(g, code=code), 4) for g in (1.02, 0.98, 1.05)})))
+        return 0
     import fidelity
     width, layers, warmup = (int(v) for v in args.rest)
     torch.set_num_threads(1)

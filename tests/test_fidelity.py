@@ -71,10 +71,11 @@ def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers)
 #: the longer horizon, as GPT-2 is trained: 25 steps of batch 16, lr 6e-4, weight decay 0.1 on the matrices
 #: only, with and without a 10-step linear warm-up; per case the optimizers and their bounds. The bounds sit
 #: below what the default (every state guided by its old code, on the dynamic6 map) measures, 0.99940,
-#: 0.99859 and 0.99963 on an Intel Xeon with one multiplication for an element's random bits (0.99940,
-#: 0.99861 and 0.99964 with the earlier bits there and on an AMD EPYC, both with AVX-512), and above
+#: 0.99859 and 0.99963 with one multiplication for an element's random bits on an Intel Xeon and on an
+#: AMD EPYC, both with AVX-512 (0.99940, 0.99861 and 0.99964 with the earlier bits), and above
 #: bitsandbytes' AdamW8bit (0.99921, 0.99825, 0.99864; docs/results.md, "Guided by the old code, every
-#: state" and "One multiplication for an element's random bits"). The lowest cosine is where a rounding rule's noise and a map's coarseness
+#: state", "One multiplication for an element's random bits" and "The same bits on an AMD EPYC with
+#: AVX-512"). The lowest cosine is where a rounding rule's noise and a map's coarseness
 #: show; the 8-step check above is too short to see them.
 HORIZON_STEPS, HORIZON_BATCH, HORIZON_DECAY = 25, 16, 0.1
 HORIZON = [(768, 4, 0, {"ds_q8": 0.9993}),
