@@ -84,6 +84,8 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
         lambda: ds_q8_kernel("off", quantization="dynamic", state_rounding="stochastic"))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, state_rounding=nearest)", BYTES_8BIT,
         lambda: ds_q8_kernel("off", state_rounding="nearest"))
+    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, quantization=minifloat)", BYTES_8BIT,
+        lambda: ds_q8_kernel("off", quantization="minifloat"))
     add("ds_q8 AdamW8bitBlock, optim_bits=4 (kernel)", BYTES_4BIT,
         lambda: ds_q8.AdamW8bitBlock(_param(n, device, 4), lr=LR, weight_decay=WD, optim_bits=4, impl="kernel").step)
     if with_reference:

@@ -30,10 +30,12 @@ sqrt(v) as an arithmetic coder that rounds sqrt(v) would place them.
 
 ``SimAdamW8`` is torch's AdamW whose moments are kept as the float32 values their codes decode to (ds_q8's
 step: the update uses the new fp32 moments, then each is coded against its block's new maximum), with
-ds_q8's default rounding, guided: first moments guided by their value before the update (``prev``), second
-moments by their old codes (``old``), 32 random bits per element and step from a seeded generator.
-Parameters under 4096 elements keep float32 states (``min_8bit_size``). A variant is named
-``q8:m=MAP:v=MAP`` (defaults dyn6 and dyn); ``launch/fidelity.py`` accepts these names.
+guided rounding: second moments guided by their old codes (``old``), first moments by their value before
+the update (``prev``; the default until the old-code rule, ``rule=update``, kept so that the results
+recorded with it mean what they did) or by their old codes as well (``rule=code``, today's default), 32
+random bits per element and step from a seeded generator. Parameters under 4096 elements keep float32
+states (``min_8bit_size``). A variant is named ``q8[:m=MAP][:v=MAP][:rule=RULE][:seed=N]`` (defaults dyn6,
+dyn, update, 0); ``launch/fidelity.py`` accepts these names.
 
     python launch/arith_maps.py table                # each map's smallest magnitude and entries per binade
     python launch/arith_maps.py run --width 768 --layers 4 --warmup 0 --out launch/results/maps/arith_768.json \\
@@ -62,20 +64,14 @@ UNSIGNED = ("dyn", "e4m4", "e5m3", "e3m5", "sqe4m4", "sqe3m5", "sqlin", "lin")
 
 def float_magnitudes(exp_bits: int, man_bits: int) -> torch.Tensor:
     """All ``2**(E + M)`` non-negative values of a float format with every code finite, ascending, in
-    float64, divided by the largest (bias cancels in the division)."""
-    vals = []
-    for e in range(2 ** exp_bits):
-        for f in range(2 ** man_bits):
-            frac = f / 2 ** man_bits
-            vals.append(frac * 2.0 ** 1 if e == 0 else (1.0 + frac) * 2.0 ** e)  # bias folded: 2**(e - bias)
-    t = torch.tensor(vals, dtype=torch.float64)
-    return t / t.max()
+    float64, divided by the largest (``ds_q8.functional.minifloat_magnitudes``)."""
+    return F.minifloat_magnitudes(exp_bits, man_bits)
 
 
 def _signed_from(mags: torch.Tensor) -> torch.Tensor:
     """128 magnitudes (the first 0) -> 256 sorted entries: -mags reversed, then mags; 0 appears twice."""
     assert mags.numel() == 128 and float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
-    return torch.cat([-mags.flip(0), mags]).to(torch.float32)
+    return (torch.cat([-mags.flip(0), mags]) + 0.0).to(torch.float32)
 
 
 def _exponent_mantissa(name: str, bits: int):
@@ -91,7 +87,7 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
         if name == "dyn6":
             return F.state_map("dynamic6", True, "cpu").clone()
         if name[0] == "e" and "m" in name:
-            return _signed_from(float_magnitudes(*_exponent_mantissa(name, 7)))
+            return F.minifloat_map(*_exponent_mantissa(name, 7), True)
         if name.startswith("ss") and name[2:].isdigit():
             k = float(name[2:])
             t = torch.arange(128, dtype=torch.float64) / 127
@@ -100,7 +96,7 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
         if name == "dyn":
             return F.state_map("dynamic6", False, "cpu").clone()
         if name[0] == "e" and "m" in name:
-            return float_magnitudes(*_exponent_mantissa(name, 8)).to(torch.float32)
+            return F.minifloat_map(*_exponent_mantissa(name, 8), False)
         if name.startswith("sqe"):
             e, m = (int(x) for x in name[3:].split("m"))
             return (float_magnitudes(e, m) ** 2).to(torch.float32)
@@ -112,9 +108,10 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
 
 
 def parse(name: str) -> Dict[str, str]:
-    """``q8[:m=MAP][:v=MAP][:seed=N]`` -> {"m": MAP, "v": MAP, "seed": N}; the seed is the random bits'
-    (another seed: another random stream, to see how much of a difference is chance)."""
-    spec = {"m": "dyn6", "v": "dyn", "seed": 0}
+    """``q8[:m=MAP][:v=MAP][:rule=RULE][:seed=N]`` -> {"m": MAP, "v": MAP, "rule": RULE, "seed": N}; the
+    rule guides the first moment ("update" or "code"); the seed is the random bits' (another seed: another
+    random stream, to see how much of a difference is chance)."""
+    spec = {"m": "dyn6", "v": "dyn", "rule": "update", "seed": 0}
     base, *parts = name.split(":")
     if base != "q8":
         raise ValueError(f"{name!r}: an 8-bit simulation is named q8[:m=MAP][:v=MAP][:seed=N]")
@@ -123,8 +120,13 @@ def parse(name: str) -> Dict[str, str]:
         if key == "seed" and value.isdigit():
             spec["seed"] = int(value)
             continue
+        if key == "rule":
+            if value not in ("update", "code"):
+                raise ValueError(f"{name!r}: rule must be update or code, got {value!r}")
+            spec["rule"] = value
+            continue
         if key not in ("m", "v"):
-            raise ValueError(f"{name!r}: each change is m=MAP or v=MAP, got {part!r}")
+            raise ValueError(f"{name!r}: each change is m=MAP, v=MAP, rule=RULE or seed=N, got {part!r}")
         make_map(value, key == "m")
         spec[key] = value
     return spec
@@ -180,8 +182,9 @@ class SimAdamW8(torch.optim.Optimizer):
                     st["step"] = 0
                     st["m"] = torch.zeros_like(g)
                     st["v"] = torch.zeros_like(g)
-                    if coded:  # the codes of zero states, for the second moment's guide
+                    if coded:  # the codes of zero states, for the guides by the old code
                         st["v_codes"] = torch.zeros(p.numel(), dtype=torch.long)
+                        st["m_codes"] = F.quantize_scaled(torch.zeros(p.numel()), self.codes["m"]).long()
                 st["step"] += 1
                 t = st["step"]
                 prev_m = st["m"].reshape(-1).clone() if coded else None
@@ -193,10 +196,15 @@ class SimAdamW8(torch.optim.Optimizer):
                 if not coded:
                     continue
                 n, bs = p.numel(), self.block
-                # first moment: guided by its value before the update
+                # first moment: guided by its value before the update, or by its old code
                 mf = m.reshape(-1)
                 am = F.block_absmax(mf, bs)
-                cm = F.quantize_with_absmax(mf, am, self.codes["m"], bs, self._bits(n), self.mids["m"], prev=prev_m)
+                if self.spec["rule"] == "code":
+                    cm = F.quantize_with_absmax(mf, am, self.codes["m"], bs, self._bits(n), self.mids["m"],
+                                                old=st["m_codes"]).long()
+                    st["m_codes"] = cm
+                else:
+                    cm = F.quantize_with_absmax(mf, am, self.codes["m"], bs, self._bits(n), self.mids["m"], prev=prev_m)
                 st["m"] = F.dequantize_flat(cm, am, self.codes["m"], bs).view(p.shape)
                 # second moment: guided by its old codes
                 vf = v.reshape(-1)
@@ -252,10 +260,10 @@ def cmd_run(args) -> int:
         model, _, _ = train(fidelity.make(name, args.lr, args.weight_decay))
         per = fidelity.compare(ref, ref_init, model)
         worst = min(per, key=lambda r: r["cosine"])
-        spec = parse(name) if name.startswith("q8") else dict(m=name, v=name, seed=None)
+        spec = parse(name) if name.startswith("q8") else dict(m=name, v=name, rule=None, seed=None)
         row = dict(optimizer=name, m_map=spec["m"], v_map=spec["v"], bits_seed=spec["seed"], width=args.width, layers=layers,
                    steps=args.steps, lr=args.lr, weight_decay=args.weight_decay, decay="matrices",
-                   warmup=args.warmup, block=BLOCK, rounding="guided", min_cosine=worst["cosine"],
+                   warmup=args.warmup, block=BLOCK, rounding="guided", m_rule=spec.get("rule"), min_cosine=worst["cosine"],
                    worst_matrix=worst["matrix"], median_cosine=statistics.median(r["cosine"] for r in per),
                    per_matrix=per, seconds=round(time.time() - t0, 1))
         rows = [r for r in rows if r["optimizer"] != name] + [row]
@@ -274,7 +282,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     t = sub.add_parser("table", help="each map's smallest positive entry and entries per binade")
     t.add_argument("--out")
     r = sub.add_parser("run", help="per-matrix update cosines against torch's AdamW (fidelity.py's setting)")
-    r.add_argument("names", nargs="+", help="q8[:m=MAP][:v=MAP], or any fidelity.py optimizer (ds_q8, ...)")
+    r.add_argument("names", nargs="+", help="q8[:m=MAP][:v=MAP][:rule=RULE][:seed=N], or any fidelity.py optimizer (ds_q8, ...)")
     r.add_argument("--width", type=int, default=768)
     r.add_argument("--layers", type=int, default=4)
     r.add_argument("--steps", type=int, default=25)

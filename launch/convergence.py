@@ -21,7 +21,7 @@ Optimizers:
                            srv      state_rounding="stochastic_unsigned" (first moments to nearest,
                                     second moments stochastically)
                            R        any other state_rounding R by its name (stochastic, guided, ...)
-                           Q        a quantization Q by its name (dynamic, dynamic6, linear)
+                           Q        a quantization Q by its name (dynamic, dynamic6, minifloat, linear)
                            bsN      block_size=N (64-4096)
                            emb32    32-bit state for the token and position embeddings
                            4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)

@@ -26,7 +26,7 @@ INVALID = {
                    (256.0, "block_size"), (True, "block_size")],
     "min_8bit_size": [(-1, "min_8bit_size must be an integer >= 0"), (1.5, "min_8bit_size"), (True, "min_8bit_size")],
     "optim_bits": [(16, "optim_bits must be 4, 8 or 32"), (True, "optim_bits must be 4, 8 or 32")],
-    "quantization": [("log", "quantization must be one of ('dynamic', 'dynamic6', 'linear')")],
+    "quantization": [("log", "quantization must be one of ('dynamic', 'dynamic6', 'minifloat', 'linear')")],
     "nonfinite": [("ignore", "nonfinite must be one of ('skip', 'raise', 'off')")],
     # the valid momentum range depends on the optimizer: (0, 1] for SGD, [0, 1) for RMSprop, (0, 1) for LARS
     "momentum": [(-0.5, "momentum must be in "), (1.5, "momentum must be in "), (NAN, "momentum must be a number")],

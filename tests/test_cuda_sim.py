@@ -133,7 +133,8 @@ def test_every_block_size_and_tail(sim, rule, block_size):
                                      dict(stochastic_rounding=True, sr_seed=7), dict(quantization="dynamic6"),
                                      dict(state_rounding="stochastic"), dict(state_rounding="guided"),
                                      dict(state_rounding="guided", quantization="linear"),
-                                     dict(state_rounding="guided", quantization="dynamic")])
+                                     dict(state_rounding="guided", quantization="dynamic"),
+                                     dict(quantization="minifloat")])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rounding_choices(sim, dtype, options):
     kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, steps=3, **options)

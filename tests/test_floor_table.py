@@ -18,6 +18,7 @@ MAPS = {
     "dynamic unsigned": lambda: F.create_dynamic_map(signed=False),
     "linear signed": lambda: F.create_linear_map(signed=True),
     "linear unsigned": lambda: F.create_linear_map(signed=False),
+    "minifloat unsigned": lambda: F.create_minifloat_map(signed=False),
 }
 #: one rounding above 1 and one more (the largest scaled value of a finite block, and a step beyond)
 LIMIT = 1.0 + 2 * 2.0 ** -23
@@ -31,6 +32,14 @@ def probe():
 @pytest.mark.parametrize("name", sorted(MAPS))
 def test_the_maps_of_the_optimizers_get_tables(probe, name):
     assert probe.floor_table(MAPS[name]())
+
+
+def test_the_signed_minifloat_map_takes_the_exact_path(probe):
+    """Its two zeros (+0 and -0 of a sign-magnitude code) are a pair without a midpoint strictly between
+    them: no floor table and no segment search, so the step codes its values by the exact search (the
+    kernels' bits are the reference's either way: test_kernels, test_state_rounding, test_cuda_sim)."""
+    code = F.create_minifloat_map(signed=True)
+    assert not probe.floor_table(code) and not probe.fast_search(code)
 
 
 def test_maps_without_the_structure_get_none(probe):

@@ -61,7 +61,7 @@ def test_step_fp32_grads_for_low_precision_params(isa, dtype):
 
 @pytest.mark.parametrize("isa", ISAS, indirect=True)
 @pytest.mark.parametrize("rule", ["adamw", "momentum", "rmsprop_momentum", "lion"])
-@pytest.mark.parametrize("quantization", ["linear", "dynamic6"])
+@pytest.mark.parametrize("quantization", ["linear", "dynamic6", "minifloat"])
 @pytest.mark.parametrize("state_rounding", ["guided", "stochastic", "nearest"])
 def test_step_other_maps(isa, rule, quantization, state_rounding):
     cls, kw = RULES[rule]
@@ -112,7 +112,7 @@ def test_step_keeps_small_second_moments_positive(isa, rule, n, block_size):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["dynamic", "dynamic6", "linear"])
+@pytest.mark.parametrize("kind", ["dynamic", "dynamic6", "minifloat", "linear"])
 def test_quantize_keeps_positive_values_off_code_zero(cpu_op, isa, kind):
     code = F.state_map(kind, False, "cpu")
     tiny = torch.cat([torch.tensor([1e-45, 1e-40, 1.2e-38]), torch.logspace(-37, -6.5, 123)])
@@ -215,7 +215,8 @@ def special_values(code):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind,signed", [("dynamic", True), ("dynamic", False), ("dynamic6", True), ("linear", True),
+@pytest.mark.parametrize("kind,signed", [("dynamic", True), ("dynamic", False), ("dynamic6", True), ("minifloat", True),
+                                         ("minifloat", False), ("linear", True),
                                          ("linear", False)])
 def test_lookup_exact_on_midpoints(cpu_op, isa, kind, signed):
     code = F.state_map(kind, signed, "cpu")

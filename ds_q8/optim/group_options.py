@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for t
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
                quantization="dynamic6", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
                correction_byte=False, impl="auto", nonfinite="skip")
-QUANTIZATIONS = ("dynamic", "dynamic6", "linear")
+QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 #: how the states are requantized after each step: every state guided (stochastically while the value
 #: stays next to its old code, where nearest could stall it, else to nearest), every state stochastically, only the unsigned
 #: ones (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
@@ -87,9 +87,9 @@ def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
     if rule.name not in FOUR_BIT_RULES:
         raise ValueError(f"optim_bits=4 stores Adam's two moments; {owner} runs the {rule.name!r} rule for this group: "
                          "use optim_bits 8 or 32 (4 bits is for Adam8bitBlock and AdamW8bitBlock)")
-    if group["quantization"] not in ("dynamic6", "dynamic"):
+    if group["quantization"] not in ("dynamic6", "dynamic", "minifloat"):
         raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay a dynamic map "
-                         f"('dynamic6', the default, or 'dynamic'), got {group['quantization']!r}")
+                         f"('dynamic6', the default, or 'dynamic') or 'minifloat', got {group['quantization']!r}")
 
 
 def group_impl(group: dict) -> str:

@@ -33,7 +33,7 @@ from .state_keys import CHUNK, CORRECTION_KEY, absmax_key, codes_key, fp32_key
 
 class QuantizedState:
     """One tensor's state (see the module doc). ``signed`` gives each state's map; ``quantization``
-    is the group's map kind ("dynamic", "dynamic6" or "linear")."""
+    is the group's map kind ("dynamic", "dynamic6", "minifloat" or "linear")."""
 
     def __init__(self, entry: dict, layout: StateLayout, signed: Sequence[bool], quantization: str):
         self.entry = entry
