@@ -183,13 +183,26 @@ def minifloat_magnitudes(exp_bits: int, man_bits: int) -> torch.Tensor:
     return mags / mags[-1]
 
 
+def mirrored_map(mags: torch.Tensor) -> torch.Tensor:
+    """A signed map from 128 ascending magnitudes, the first 0 and the last 1: the negatives from -1 up,
+    one zero (entry 127, +0.0), the positives up to 1.0 (entry 254), and entry 255 one top spacing above
+    1.0. Scaled values of a finite block are at most 1 (block maxima are stored rounded up), so entry
+    255 is never coded; it is there so that the map is symmetric about entry 127 with every entry
+    distinct, as the dynamic maps are, which is what the kernels' fast searches ask of a signed map."""
+    if not (mags.numel() == 128 and float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
+            and bool((mags[1:] > mags[:-1]).all())):
+        raise ValueError("a mirrored map needs 128 ascending magnitudes from 0 to 1")
+    top = (2.0 * mags[-1] - mags[-2]).reshape(1)
+    return (torch.cat([-mags.flip(0), mags[1:], top]) + 0.0).to(torch.float32)  # + 0.0: -0.0 becomes +0.0
+
+
 def minifloat_map(exp_bits: int, man_bits: int, signed: bool) -> torch.Tensor:
     """The sorted float32 map of a small float format in which every code is finite: exponent field
     ``e`` and mantissa field ``f`` stand for ``(1 + f / 2**M) * 2**e``, and for ``(f / 2**M) * 2``
-    when ``e = 0`` (subnormals, 0 among them), all divided by the largest magnitude so that the top
-    entry is 1.0 (the bias cancels). Unsigned: the ``2**(E + M)`` magnitudes; signed: a sign bit
-    and ``2**(E + M) = 128`` magnitudes, mirrored, so 0 appears twice (entries 127 and 128, both +0.0:
-    a value of 0 codes as 127, and every other value's two neighbouring entries are distinct)."""
+    when ``e = 0`` (subnormals, 0 among them), all divided by the largest magnitude so that it is 1.0
+    (the bias cancels). Unsigned: the ``2**(E + M)`` magnitudes; signed: a sign bit and
+    ``2**(E + M) = 128`` magnitudes, laid out by :func:`mirrored_map` (one zero, and an entry above 1.0
+    in place of the second)."""
     if not (isinstance(exp_bits, int) and isinstance(man_bits, int) and exp_bits >= 1 and man_bits >= 0
             and exp_bits + man_bits == (7 if signed else 8)):
         raise ValueError(f"a {'signed' if signed else 'unsigned'} 8-bit minifloat map needs exponent + mantissa "
@@ -197,8 +210,7 @@ def minifloat_map(exp_bits: int, man_bits: int, signed: bool) -> torch.Tensor:
     key = ("minifloat", bool(signed), exp_bits, man_bits)
     if key not in _map_cache:
         mags = minifloat_magnitudes(exp_bits, man_bits)
-        m = torch.cat([-mags.flip(0), mags]) if signed else mags
-        _map_cache[key] = (m + 0.0).to(torch.float32)  # + 0.0: the mirrored zero is +0.0 too
+        _map_cache[key] = mirrored_map(mags) if signed else mags.to(torch.float32)
     return _map_cache[key].clone()
 
 

@@ -14,10 +14,9 @@ Signed maps (first moment), sign + 7 magnitude bits:
                                 1 at the top); coding inverts it with one division,
                                 ``t = (1 + K) y / (1 + K |y|)``
     ``dyn6``                    the shipped map, ``F.state_map("dynamic6", True, "cpu")``
-A sign + magnitude code has two zeros (+0 and -0): the signed tables built here hold 0 twice (entries
-127 and 128), which is what a sign-magnitude decoder returns for both, so they have 255 distinct values.
-Rounding is unaffected: the midpoint between the two zeros is 0, a value of exactly 0 takes the lower
-one, and a non-zero value's two neighbours are never both zero.
+A sign + magnitude code has two zeros (+0 and -0): the signed maps built here keep one (entry 127) and
+put an entry one top spacing above 1.0 in place of the other (``ds_q8.functional.mirrored_map``). No
+scaled value reaches it, so they code as the sign-magnitude format would, with 255 values in use.
 
 Unsigned maps (second moment), 8 bits:
     ``e4m4``, ``e5m3``          the float-like construction without a sign bit (256 values, 0 included)
@@ -62,18 +61,6 @@ SIGNED = ("dyn6", "e4m3", "e3m4", "e5m2", "e2m5", "ss1", "ss3", "ss7", "ss15")
 UNSIGNED = ("dyn", "e4m4", "e5m3", "e3m5", "sqe4m4", "sqe3m5", "sqlin", "lin")
 
 
-def float_magnitudes(exp_bits: int, man_bits: int) -> torch.Tensor:
-    """All ``2**(E + M)`` non-negative values of a float format with every code finite, ascending, in
-    float64, divided by the largest (``ds_q8.functional.minifloat_magnitudes``)."""
-    return F.minifloat_magnitudes(exp_bits, man_bits)
-
-
-def _signed_from(mags: torch.Tensor) -> torch.Tensor:
-    """128 magnitudes (the first 0) -> 256 sorted entries: -mags reversed, then mags; 0 appears twice."""
-    assert mags.numel() == 128 and float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
-    return (torch.cat([-mags.flip(0), mags]) + 0.0).to(torch.float32)
-
-
 def _exponent_mantissa(name: str, bits: int):
     """``EnMk`` -> (n, k), which must sum to the magnitude's bits (7 signed, 8 unsigned)."""
     e, m = (int(x) for x in name[1:].split("m"))
@@ -91,7 +78,7 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
         if name.startswith("ss") and name[2:].isdigit():
             k = float(name[2:])
             t = torch.arange(128, dtype=torch.float64) / 127
-            return _signed_from(t / (1.0 + k * (1.0 - t)))
+            return F.mirrored_map(t / (1.0 + k * (1.0 - t)))
     else:
         if name == "dyn":
             return F.state_map("dynamic6", False, "cpu").clone()
@@ -99,7 +86,7 @@ def make_map(name: str, signed: bool) -> torch.Tensor:
             return F.minifloat_map(*_exponent_mantissa(name, 8), False)
         if name.startswith("sqe"):
             e, m = (int(x) for x in name[3:].split("m"))
-            return (float_magnitudes(e, m) ** 2).to(torch.float32)
+            return (F.minifloat_magnitudes(e, m) ** 2).to(torch.float32)
         if name == "sqlin":
             return ((torch.arange(256, dtype=torch.float64) / 255) ** 2).to(torch.float32)
         if name == "lin":

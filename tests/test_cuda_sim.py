@@ -386,6 +386,22 @@ def test_quantize_and_dequantize(sim, dtype, block_size):
             assert_same_bits(out, F.dequantize_blockwise(rc, ra, code, block_size, dtype), f"dequantize n={n}")
 
 
+#: where build_lookup flags the segment search's tables and the step's floor tables (q8_cuda_api.h:
+#: kLookupSize words of the nearest-code table, the 128-word FastMap, its flag; the floor flag is 4th from the end)
+FAST_FLAG, FLOOR_FLAG = (0xC000 - 0x3FFF + 1) + 128, -4
+
+
+@pytest.mark.parametrize("quantization", ["minifloat", "dynamic6", "dynamic"])
+def test_the_maps_of_a_quantization_get_the_search_and_floor_tables(sim, quantization):
+    """The CUDA op's tables for every state map of these quantizations: the step rounds by one floor-table
+    read and the (de)quantize kernels search by segments; none takes the exact search."""
+    for signed in (True, False):
+        lookup = sim.build_lookup(F.state_map(quantization, signed, torch.device("cpu")))
+        assert int(lookup[FAST_FLAG]) == 1 and int(lookup[FLOOR_FLAG]) == 1, signed
+    no_tables = sim.build_lookup(F.create_linear_map(signed=True))  # no zero entry: no segment search
+    assert int(no_tables[FAST_FLAG]) == 0 and int(no_tables[FLOOR_FLAG]) == 1
+
+
 def test_quantize_misaligned_views(sim):
     code = F.state_map("dynamic", True, torch.device("cpu"))
     lookup = sim.build_lookup(code)

@@ -18,6 +18,7 @@ MAPS = {
     "dynamic unsigned": lambda: F.create_dynamic_map(signed=False),
     "linear signed": lambda: F.create_linear_map(signed=True),
     "linear unsigned": lambda: F.create_linear_map(signed=False),
+    "minifloat signed": lambda: F.create_minifloat_map(signed=True),
     "minifloat unsigned": lambda: F.create_minifloat_map(signed=False),
 }
 #: one rounding above 1 and one more (the largest scaled value of a finite block, and a step beyond)
@@ -34,12 +35,17 @@ def test_the_maps_of_the_optimizers_get_tables(probe, name):
     assert probe.floor_table(MAPS[name]())
 
 
-def test_the_signed_minifloat_map_takes_the_exact_path(probe):
-    """Its two zeros (+0 and -0 of a sign-magnitude code) are a pair without a midpoint strictly between
-    them: no floor table and no segment search, so the step codes its values by the exact search (the
-    kernels' bits are the reference's either way: test_kernels, test_state_rounding, test_cuda_sim)."""
-    code = F.create_minifloat_map(signed=True)
-    assert not probe.floor_table(code) and not probe.fast_search(code)
+@pytest.mark.parametrize("quantization", ["dynamic", "dynamic6", "minifloat"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_every_map_of_a_quantization_gets_every_fast_path(probe, quantization, signed):
+    """The AVX2 floor rows, the CUDA step's floor tables and the AVX-512 segment search all take the
+    maps of these quantizations, so no state of theirs is coded by the exact search. The signed
+    minifloat map has one zero (a sign-magnitude format's -0 gives way to an entry above 1.0, which no
+    scaled value reaches) for this: with two equal zeros it would get none of the three."""
+    code = F.state_map(quantization, signed, "cpu")
+    assert probe.floor_map(code) and probe.floor_table(code) and probe.fast_search(code)
+    twin_zeros = torch.cat([code[:128], torch.zeros(1), code[128:255]])
+    assert not probe.floor_map(twin_zeros) and not probe.floor_table(twin_zeros)
 
 
 def test_maps_without_the_structure_get_none(probe):

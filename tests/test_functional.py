@@ -60,7 +60,8 @@ def test_dynamic6_map_is_the_tree_over_six_decades():
 
 def test_minifloat_maps_are_small_floats_with_every_code_finite():
     """Signed: sign + E3M4, unsigned: E4M4; each entry (1 + f/16) 2^e, or f/16 * 2 for e = 0, over the
-    largest; 16 entries a binade; the signed map's two zeros are both +0.0 and every other entry distinct."""
+    largest; 16 entries a binade. The signed map has one zero (+0.0, entry 127), is symmetric about it,
+    and ends with one entry above 1.0 (where the second zero would be) spaced like the top binade."""
     for signed, (e_bits, m_bits) in ((True, (3, 4)), (False, (4, 4))):
         m = F.create_minifloat_map(signed)
         assert m.dtype == torch.float32 and m.shape == (256,) and F.MINIFLOAT_BITS[signed] == (e_bits, m_bits)
@@ -70,16 +71,20 @@ def test_minifloat_maps_are_small_floats_with_every_code_finite():
             for f in range(16):
                 mags.append(f / 16 * 2 if e == 0 else (1 + f / 16) * 2.0 ** e)
         mags = np.array(mags) / max(mags)
-        ref = np.concatenate([-mags[::-1], mags]) if signed else mags
+        ref = np.concatenate([-mags[::-1], mags[1:], [2 * mags[-1] - mags[-2]]]) if signed else mags
         np.testing.assert_array_equal(m.double().numpy(), ref.astype(np.float32).astype(np.float64))
         assert not bool(torch.signbit(m).logical_and(m == 0).any()), "no -0.0 entry"
-        assert bool((m[1:] > m[:-1]).all()) if not signed else bool((m[1:] > m[:-1]).sum() == 254)
-        pos = m[m > 0].double()
+        assert bool((m[1:] > m[:-1]).all())
+        pos = m[(m > 0) & (m <= 1)].double()
         normal = pos[pos >= 2 / ((2 - 1 / 16) * 2.0 ** (2 ** e_bits - 1)) * (1 - 1e-6)]
         assert float((normal[1:] / normal[:-1] - 1).max()) <= 1 / 16 + 1e-7  # 16 entries a binade
-    assert float(F.create_minifloat_map(True)[129]) == pytest.approx(5.04e-4, rel=1e-3)
+    s = F.create_minifloat_map(True)
+    assert float(s[127]) == 0.0 and torch.equal(s[:127], -s[128:255].flip(0)) and float(s[254]) == 1.0
+    assert float(s[255]) == pytest.approx(32 / 31) and float(s[128]) == pytest.approx(5.04e-4, rel=1e-3)
     with pytest.raises(ValueError, match="exponent \\+ mantissa bits = 7"):
         F.minifloat_map(4, 4, True)
+    with pytest.raises(ValueError, match="128 ascending magnitudes"):
+        F.mirrored_map(torch.linspace(0, 1, 127, dtype=torch.float64))
 
 
 def test_tree_map_builds_the_dynamic_maps():

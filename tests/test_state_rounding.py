@@ -135,8 +135,9 @@ def test_a_negative_block_maximum_is_kept_where_the_map_holds_minus_one(quantiza
     gradient, guided by its old code: the scaled value is -1 (or within a bfloat16 rounding of it). The
     minifloat map holds -1.0 and keeps it; dynamic6's most negative entry is -0.99375 (the dynamic map's
     -0.99297: 1.0 has no mirror in either), so each step stores the maximum 0.6% short and its moment
-    settles 6% under its fp32 value (measured 0.943-0.947); minifloat codes with a 1.0 added above their
-    top instead of a second zero (what the fast searches would take) leave -0.96875 and 24% (0.76)."""
+    settles 6% under its fp32 value (measured 0.943-0.947). The minifloat map's one zero gives way to an
+    entry above 1.0, so all of E3M4's magnitudes stay; rescaling them to put 1.0 there instead would leave
+    -0.96875 and 24% (0.76)."""
     code = F.state_map(quantization, True, "cpu")
     n, ratios = 64, []
     for second in (0.5, 0.8, 0.95):  # the block's other moments reach this far under the maximum

@@ -11,6 +11,7 @@
 #include "q8_binding.h"
 #include "q8_cpu_api.h"
 #include "q8_fastmap.h"
+#include "q8_floormap.h"
 #include "q8_floortable.h"
 
 namespace ds_q8 {
@@ -45,6 +46,14 @@ std::unique_ptr<FloorTable> floor_table_of(const torch::Tensor& code) {
     auto t = std::make_unique<FloorTable>();
     if (!q8_build_floortable(code.data_ptr<float>(), t.get())) t.reset();
     return t;
+}
+
+// Whether the map gets the AVX2 driver's floor rows (q8_build_floormap accepts it).
+bool floor_map(const torch::Tensor& code) {
+    TORCH_CHECK_VALUE(code.device().is_cpu(), "code must be a CPU tensor, got ", code.device());
+    binding::check_code(code);
+    auto m = std::make_unique<FloorMap>();  // 512 KiB: not on the stack
+    return q8_build_floormap(code.data_ptr<float>(), m.get());
 }
 
 // Whether the map gets the CUDA step's floor tables (q8_build_floortable accepts it).
@@ -130,6 +139,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("fast_search", &ds_q8::fast_search, "True when the map gets segment tables (no lookup-table search)");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
           "AVX-512 segment search vs lookup table over every float in [-limit, limit]; -1 without tables");
+    m.def("floor_map", &ds_q8::floor_map, "True when the map gets the AVX2 driver's floor rows");
     m.def("floor_table", &ds_q8::floor_table, "True when the map gets the CUDA step's floor tables");
     m.def("floor_round", &ds_q8::floor_round, "codes of scaled values by the CUDA step's floor tables");
     m.def("floor_table_mismatches", &ds_q8::floor_table_mismatches,

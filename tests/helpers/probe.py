@@ -33,6 +33,7 @@ MAPS = {
     "dynamic signed": lambda: F.create_dynamic_map(signed=True),
     "dynamic unsigned": lambda: F.create_dynamic_map(signed=False),
     "linear unsigned": lambda: F.create_linear_map(signed=False),
+    "minifloat signed": lambda: F.create_minifloat_map(signed=True),
     "minifloat unsigned": lambda: F.create_minifloat_map(signed=False),
 }
 
