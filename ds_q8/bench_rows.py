@@ -78,14 +78,14 @@ def optimizer_rows(n: int, device: str, with_reference: bool, count: int = 1, sk
     add("ds_q8 AdamW8bitBlock (kernel, check answered by the clip norm)", BYTES_8BIT,
         lambda: ds_q8_kernel("skip", engine_norm=True))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off)", BYTES_8BIT, lambda: ds_q8_kernel("off"))
-    # the default (guided requantization on the dynamic6 map) against the default before it (every
-    # state stochastically, on the dynamic map) and against every state to nearest
+    # the default (guided requantization on the minifloat maps) against the defaults before it (the
+    # dynamic6 map; every state stochastically on the dynamic map) and against every state to nearest
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, the previous default: dynamic, stochastic)", BYTES_8BIT,
         lambda: ds_q8_kernel("off", quantization="dynamic", state_rounding="stochastic"))
     add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, state_rounding=nearest)", BYTES_8BIT,
         lambda: ds_q8_kernel("off", state_rounding="nearest"))
-    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, quantization=minifloat)", BYTES_8BIT,
-        lambda: ds_q8_kernel("off", quantization="minifloat"))
+    add("ds_q8 AdamW8bitBlock (kernel, nonfinite=off, quantization=dynamic6)", BYTES_8BIT,
+        lambda: ds_q8_kernel("off", quantization="dynamic6"))
     add("ds_q8 AdamW8bitBlock, optim_bits=4 (kernel)", BYTES_4BIT,
         lambda: ds_q8.AdamW8bitBlock(_param(n, device, 4), lr=LR, weight_decay=WD, optim_bits=4, impl="kernel").step)
     if with_reference:

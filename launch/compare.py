@@ -61,7 +61,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="8-bit vs 32-bit Adam, fp32 and bf16 masters, and 8-bit vs DeepSpeed's "
                                              "Muon, on the same GPT: report and loss plot.")
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS),
-                    help="which runs, in this order (default: all eight)")
+                    help="which runs, in this order (default: all nine)")
     ap.add_argument("--config", action="append", default=[], metavar="NAME=FILE",
                     help="the DeepSpeed config of run NAME (repeatable)")
     ap.add_argument("--save_dir", default=str(REPO / "out" / "compare"))

@@ -11,8 +11,8 @@ of [3n, n] whose parts are rows).
 For ds_q8 rows it also counts first moments that the 8-bit state lost: elements whose first moment is
 stored as zero while torch's is not small against the element's own gradient scale
 (``|m| > 0.3 sqrt(v)``, both torch's). Such zeros are rare even where blocks mix (rounding to nearest
-stores a value as zero only below 2.8e-6 of its block's maximum on the dynamic6 map, 2.8e-7 on the
-dynamic map): what mixing costs is coarse codes, which the cosine shows. A single one comes from an
+stores a value as zero only below 2.5e-4 of its block's maximum on the minifloat map, 2.8e-6 on
+dynamic6's, 2.8e-7 on the dynamic map): what mixing costs is coarse codes, which the cosine shows. A single one comes from an
 element whose first moment passes near zero while its gradient scale is about as small, so that 8-bit's
 rounding error over a few steps is as large as the moment itself (GPT-2 at 1600, 8 steps: one of 31
 million, at 0.003 of its block's maximum and |m| = 0.32 sqrt(v)); a map that loses first moments

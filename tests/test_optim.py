@@ -75,11 +75,13 @@ def test_dequantized_state_matches_torch_state(name):
     for key, value in ours.items():
         ref = theirs[key]
         assert value.dtype == torch.float32 and value.shape == ref.shape
-        # measured after 50 steps: exp_avg 2.9%, exp_avg_sq 4.6% (9% rounded to nearest: small second
-        # moments sit where the unsigned map is coarse, and moves below half a code step were lost),
-        # momentum 2.9%
+        # measured after 50 steps on the minifloat maps (the default): exp_avg 3.8% (adamw 2.6%), exp_avg_sq
+        # 6.2%, momentum 3.1%; on dynamic6 2.5%, 2.9% and 2.1%. An error in the norm is set by the largest
+        # elements of each block, where E3M4 and E4M4 step 3.2-6.25% and the dynamic maps 0.7-1.4%; further
+        # under the block's maximum the small floats are the finer ones, and Adam's update, each first
+        # moment over the root of its own second, stays closer to 32-bit on them (test_fidelity)
         rel = float((value - ref).norm() / ref.norm())
-        assert rel < {"exp_avg_sq": 0.06}.get(key, 0.04), (key, rel)
+        assert rel < {"exp_avg_sq": 0.075}.get(key, 0.045), (key, rel)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -223,22 +225,22 @@ def test_state_dict_roundtrip_continues_bit_identically(name, dtype):
 
 
 def test_a_checkpoint_keeps_its_map():
-    """Codes mean something only with their map: a checkpoint of a "dynamic" run (the default map before
-    "dynamic6") continues bit for bit in an optimizer built with "dynamic", and an optimizer on the default
-    map refuses it, naming the field."""
-    model, opt = make_trained("adamw", 0, quantization="dynamic")
+    """Codes mean something only with their map: a checkpoint of a "dynamic6" run (the default map before
+    "minifloat") continues bit for bit in an optimizer built with "dynamic6", and an optimizer on the
+    default map refuses it, naming the field."""
+    model, opt = make_trained("adamw", 0, quantization="dynamic6")
     for s in range(4):
         one_step(model, opt, s)
     ck = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": copy.deepcopy(opt.state_dict())}
     losses_a = [one_step(model, opt, s) for s in range(4, 8)]
-    model_b, opt_b = make_trained("adamw", 0, seed=99, quantization="dynamic")
+    model_b, opt_b = make_trained("adamw", 0, seed=99, quantization="dynamic6")
     model_b.load_state_dict(ck["model"])
     opt_b.load_state_dict(ck["opt"])
     assert [one_step(model_b, opt_b, s) for s in range(4, 8)] == losses_a
     model_c, opt_c = make_trained("adamw", 0)
-    with pytest.raises(ValueError, match="quantization='dynamic', this optimizer uses quantization='dynamic6'"):
+    with pytest.raises(ValueError, match="quantization='dynamic6', this optimizer uses quantization='minifloat'"):
         opt_c.load_state_dict(ck["opt"])
-    for s in range(4):  # the same run on the dynamic6 map takes other codes
+    for s in range(4):  # the same run on the minifloat maps takes other codes
         one_step(model_c, opt_c, s)
     assert not torch.equal(opt_c.state[model_c[0].weight]["state1"], ck["opt"]["state"][0]["state1"])
 
@@ -278,21 +280,29 @@ def test_loading_a_mismatched_checkpoint_is_refused_and_changes_nothing():
 
 
 def test_load_dequantized_state_roundtrip():
+    """Requantizing what dequantized_state gives keeps every code of a block whose largest value is coded
+    as 1.0 or -1.0: its stored maximum comes back, and so does each scaled value. A block whose largest
+    is coded at a lower entry (a draw of the old-code rule while its scaled value was under 1) gets that
+    entry's value, rounded up to bfloat16, as its new maximum; its values are rescaled and round to the
+    nearest entry again, so they move by at most half a step of the map's top binade (1/62 of the
+    block's maximum on the minifloat maps). Measured at block 512: 7.3% and 11.6% of the codes moved, all
+    in such blocks, by at most 1.35% of the maximum (dynamic6: 0.05% and 0.5%)."""
     p1, _, _, o1, _ = run_pair("adam", optim_bits=8, steps=20, block_size=512)
     p = o1.param_groups[0]["params"][0]
     exported = o1.dequantized_state(p)
     saved = {k: v.clone() for k, v in o1.state[p].items() if torch.is_tensor(v)}
     o1.load_dequantized_state(p, exported, step=20)
     assert o1.state[p]["step"] == 20
-    # Requantizing is nearly idempotent. A block's stored maximum is its largest value rounded up to
-    # bfloat16 (up to 0.78% above it), so that value may dequantize to the entry below 1.0, and the
-    # block then gets a slightly smaller maximum; the signed map has no -1.0, with the same effect for
-    # negative maxima. Some codes of such blocks move by one step (measured: 0.2% of them).
-    for k in ("state1", "state2"):
-        assert float((o1.state[p][k] != saved[k]).float().mean()) < 5e-3
+    for k, signed in (("state1", True), ("state2", False)):
+        code = F.state_map(o1.param_groups[0]["quantization"], signed, "cpu")
+        n = saved[k].numel()
+        blocks = lambda t: torch.nn.functional.pad(t.reshape(-1), (0, (-n) % 512)).view(-1, 512)
+        at_one = blocks(code[saved[k].reshape(-1).long()].abs()).max(1).values == 1.0
+        moved = blocks(o1.state[p][k] != saved[k])
+        assert int(at_one.sum()) >= 0.8 * at_one.numel() and not bool(moved[at_one].any()), k
     again = o1.dequantized_state(p)
     for k, v in exported.items():
-        bound = 0.01 * float(v.abs().max())
+        bound = float(v.abs().max()) / 62 * 1.01
         assert float((again[k] - v).abs().max()) <= bound, k
 
 

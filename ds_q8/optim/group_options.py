@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for t
 #: the options every ds_q8 optimizer takes, with their defaults (``nonfinite`` is the optimizer's,
 #: the others are each group's)
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
-               quantization="dynamic6", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
+               quantization="minifloat", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
                correction_byte=False, impl="auto", nonfinite="skip")
 QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 #: how the states are requantized after each step: every state guided (stochastically while the value
@@ -87,9 +87,9 @@ def check_four_bit(group: dict, rule: Rule, owner: str) -> None:
     if rule.name not in FOUR_BIT_RULES:
         raise ValueError(f"optim_bits=4 stores Adam's two moments; {owner} runs the {rule.name!r} rule for this group: "
                          "use optim_bits 8 or 32 (4 bits is for Adam8bitBlock and AdamW8bitBlock)")
-    if group["quantization"] not in ("dynamic6", "dynamic", "minifloat"):
-        raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay a dynamic map "
-                         f"('dynamic6', the default, or 'dynamic') or 'minifloat', got {group['quantization']!r}")
+    if group["quantization"] not in ("minifloat", "dynamic6", "dynamic"):
+        raise ValueError(f"optim_bits=4 has maps of its own (format4.py); quantization must stay 'minifloat' (the "
+                         f"default), 'dynamic6' or 'dynamic', got {group['quantization']!r}")
 
 
 def group_impl(group: dict) -> str:

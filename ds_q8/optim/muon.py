@@ -76,7 +76,10 @@ class Muon8bitBlock(Optimizer8bitBlock):
       by ZeRO partition edges travels between its ranks as codes and block maxima (a quarter of its
       fp32 bytes) and every world size steps the same bits. ``32`` keeps the fp32 direction
       (DeepSpeed's arithmetic, up to its bf16 casts); a cut matrix then travels in fp32;
-    * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default).
+    * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default);
+    * ``quantization`` defaults to ``"dynamic6"`` here, not to the other optimizers' ``"minifloat"``:
+      the momentum that Newton-Schulz orthogonalizes stayed closer to its 32-bit twin's on it
+      (docs/results.md, "Minifloat maps").
 
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
     8-bit block-wise (1 byte per element plus one bfloat16 maximum per block). Under ZeRO 1/2 each rank
@@ -87,7 +90,8 @@ class Muon8bitBlock(Optimizer8bitBlock):
     tag_parameters = staticmethod(tag_muon)  # DeepSpeed's tagging for "type": "Muon", for this class too
 
     def __init__(self, params, lr=None, muon_lr=None, adam_lr=None, momentum=0.95, nesterov=True, ns_method="gram",
-                 ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **options):
+                 ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0,
+                 quantization="dynamic6", **options):
         # the arguments are checked here, whatever the groups: a model without matrices still gets its errors
         for key, value in (("lr", lr), ("muon_lr", muon_lr), ("adam_lr", adam_lr)):
             if value is not None:
@@ -98,7 +102,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
         super().__init__(params, dict(lr=lr, muon_lr=muon_lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov,
                                       ns_method=ns_method, ns_steps=ns_steps, direction_bits=direction_bits,
                                       betas=betas, eps=eps,
-                                      weight_decay=weight_decay), **options)
+                                      weight_decay=weight_decay), quantization=quantization, **options)
 
     def rule_for(self, group: dict):
         return MUON if group.get("use_muon") else rules.ADAMW
