@@ -215,14 +215,16 @@ def minifloat_map(exp_bits: int, man_bits: int, signed: bool) -> torch.Tensor:
 
 
 def create_minifloat_map(signed: bool = True) -> torch.Tensor:
-    """The map of ``quantization="minifloat"``: sign + E3M4 for signed states (first moments), E4M4 for
+    """The maps of ``quantization="minifloat"``: sign + E3M4 for signed states (first moments), E4M4 for
     unsigned ones (second moments). 16 entries in every binade, from the block's maximum down to 8.1e-3
     of it (signed; then 15 subnormals down to 5.0e-4) or 3.1e-5 (unsigned; down to 2.0e-6): neighbouring
     entries at most 6.25% apart over that range, where "dynamic6"'s are 1.4% apart near the maximum,
     2.5% at half of it, 7.8% a decade below it and 18% two decades below. Adam's update divides each
     first moment by its own scale, so a moment a decade under its block's largest counts as much as the
     largest; over 25 steps of GPT-2 the updates on these maps stay closer to 32-bit's than on "dynamic6"
-    (docs/results.md, "Minifloat maps")."""
+    (docs/results.md, "Minifloat maps"). Where a state's values sit within a decade of their block's
+    maximum, the dynamic maps' top decade is the finer (Adagrad8bitBlock and RMSprop8bitBlock keep
+    "dynamic6" by default for that)."""
     return minifloat_map(*MINIFLOAT_BITS[bool(signed)], signed)
 
 

@@ -113,7 +113,7 @@ def test_settings_that_cannot_hold_4_bits_name_the_field():
     p = [torch.nn.Parameter(torch.zeros(8))]
     with pytest.raises(ValueError, match="optim_bits=4 stores Adam's two moments.*'lion'"):
         ds_q8.Lion8bitBlock(p, optim_bits=4)
-    with pytest.raises(ValueError, match="quantization must stay a dynamic map"):
+    with pytest.raises(ValueError, match="quantization must stay 'minifloat' \\(the default\\), 'dynamic6' or 'dynamic', got 'linear'"):
         ds_q8.AdamW8bitBlock(p, optim_bits=4, quantization="linear")
     with pytest.raises(ValueError, match="optim_bits must be 4, 8 or 32, got 2"):
         ds_q8.AdamW8bitBlock(p, optim_bits=2)

@@ -16,6 +16,7 @@ from ds_q8.optim.layout import Segment, StateLayout, shared_blocks
 from ds_q8.optim.state_io import STATE_DICT_MARKER
 
 from helpers.layout import KW, SIZES, run_plain, run_sharded
+from helpers.requantize import ROUND_TRIP
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -136,8 +137,8 @@ def test_rmsprop_momentum_travels_through_export():
     fresh = ds_q8.RMSprop8bitBlock([q], lr=1e-3, momentum=0.9, block_size=256)
     fresh.load_state_dict(exported)
     back = fresh.dequantized_state(q)
-    for name in want:
-        assert float((back[name] - want[name]).abs().max()) <= 0.01 * float(want[name].abs().max()), name
+    for name in want:  # half a step of the map's top binade at most (helpers/requantize.py)
+        assert float((back[name] - want[name]).abs().max()) <= ROUND_TRIP * float(want[name].abs().max()), name
 
 
 def test_step_survives_torch_distributed_checkpoint(tmp_path):

@@ -102,24 +102,27 @@ def test_zero_partitions_add_up_to_the_whole_parameters(world, stage, bits):
 
 
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
-def test_first_moments_lost_to_a_mixed_block_show(impl):
+@pytest.mark.parametrize("quantization,within", [("minifloat", 1e-3), ("dynamic6", 0.0)])
+def test_first_moments_lost_to_a_mixed_block_show(impl, quantization, within):
     """A block that spans a part with far smaller gradients (as 2048-element blocks span the query and
     value columns of GPT-2's c_attn) codes the small part's first moments against the large part's
-    maximum: below 1.6e-7 of it (half the smallest entry of the signed map) they are stored as zero, and
-    ``zeroed`` counts them. With blocks inside each part (the boundary at a multiple of 64) nothing is lost."""
+    maximum: below half the signed map's smallest entry (2.5e-4 of it on minifloat, 2.8e-6 on dynamic6)
+    they are stored as zero, and ``zeroed`` counts them. With blocks inside each part (the boundary at a
+    multiple of 64) nothing is lost on dynamic6; on minifloat the few Gaussian values that far under
+    their block's largest are (measured 2 of 4096)."""
     g = torch.Generator().manual_seed(0)
     grad = torch.randn(4096, generator=g)
     grad[:1024] *= 1e-8  # a small part of 1024 elements, then a large one
     report = {}
     for bs in (2048, 64):
         p = torch.nn.Parameter(torch.zeros(4096))
-        opt = ds_q8.AdamW8bitBlock([p], lr=1e-3, block_size=bs, impl=impl)
+        opt = ds_q8.AdamW8bitBlock([p], lr=1e-3, block_size=bs, impl=impl, quantization=quantization)
         opt.track_quantization(1)
         p.grad = grad.clone()
         opt.step()
         report[bs] = opt.quantization_report()["states"]
     assert report[2048]["exp_avg"]["zeroed"] > 0.2  # most of the small part: 1024 of 4096 elements is 0.25
-    assert report[64]["exp_avg"]["zeroed"] == 0.0
+    assert report[64]["exp_avg"]["zeroed"] <= within
     assert report[64]["exp_avg_sq"]["zeroed"] == report[2048]["exp_avg_sq"]["zeroed"] == 0.0  # the zero point
 
 
