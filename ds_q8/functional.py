@@ -71,6 +71,30 @@ starts; a second moment guided by its update drifts wherever its block's maximum
 fp32 value after 300 steps).
 
 Dequantization is ``code[index] * A`` in float32, then a cast to the requested dtype.
+
+The minifloat codec
+-------------------
+The two maps of ``quantization="minifloat"`` (sign + E3M4, and E4M4: :data:`MINIFLOAT_BITS`) are small
+floats, coded from a float's bits rather than by the rules above (:class:`MinifloatCodec`; the kernels'
+``q8_minifloat.h``). Taken with its top binade at [1, 2) (exponent bias ``B`` = 7 or 15), magnitude code ``c``
+is the float ``u(c)`` whose bits are ``(c << 19) + ((127 - B) << 23)``, or ``c * 2**(-3 - B)`` when ``c < 16``
+(the subnormals); the largest is ``T = 1.9375``. Its map entry is ``u(c) * float32(1 / T)`` (float32, one
+rounding), so dequantization stays ``code[index] * A``.
+
+* ``z = x * s`` with ``s = T / A`` (float32 division; 0 where ``A`` is not positive).
+* The fixed point of ``a = |z|``: its bits less ``(127 - B) << 23`` from ``2**(1 - B)`` up, else the bits of
+  ``a + 2**(1 - B)`` (float32: the addition rounds ``a`` to the subnormals' grid, to nearest even) less those
+  of ``2**(1 - B)``. It is the code ``lo = fixed >> 19`` below ``a`` and 19 bits of the way to the next.
+* Rounding adds to it and keeps the top: ``mag = (fixed + add) >> 19`` with ``add = 2**18 - 1`` to nearest (a
+  value on a midpoint goes down), ``add = r >> 13`` stochastically (``r`` the element's 32 random bits:
+  up with probability the fraction), and, guided, the random bits where the old code is ``lo`` or ``lo + 1``
+  (of ``z``'s sign) and ``2**18 - 1`` elsewhere.
+* Signed: ``127 + mag``, or ``127 - mag`` for negative ``z``, clamped to [0, 255] (only a positive value within
+  a rounding of the largest can reach entry 255). Unsigned: ``min(mag, 255)``, 0 for a negative value, at
+  least 1 for a positive one (the zero point). NaN: 255.
+
+The random bits of state ``k`` are ``ds_q8.optim.rounding.state_bits``: ``(key + index) * STATE_MULS[k]``,
+a Weyl sequence over a block's elements.
 """
 from __future__ import annotations
 
@@ -89,152 +113,14 @@ DEFAULT_MIN_8BIT_SIZE = 4096
 MAX_STATES = 3
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: the minifloat codec's fixed point: a value's code, then 19 bits of the way to the next one
+FRACTION_BITS = 19
+FRACTION_MASK = (1 << FRACTION_BITS) - 1
+FRACTION_HALF = 1 << (FRACTION_BITS - 1)
 
-_map_cache: dict = {}
-
-
-def create_dynamic_map(signed: bool = True, bits: int = 8) -> torch.Tensor:
-    """The ``2**bits`` sorted float32 values of the dynamic tree map (256 for the 8-bit state).
-
-    Each non-zero entry is ``10**e * f`` for a decimal exponent ``e`` in ``-(bits-2)..0`` and a
-    linear fraction ``f`` in (0.1, 1): the more leading zero bits an index has, the smaller the
-    exponent and the fewer bits remain for the fraction. Decade ``d`` below the top holds
-    ``2**(bits - 2 - d)`` entries of each sign in the signed map, and twice that in the unsigned map,
-    whose sign bit serves as one more fraction bit (:func:`tree_map`). Both maps contain 0 and 1.0.
-    The signed 8-bit map holds 127 negative values, 0 and 128 positive values.
-    """
-    if bits not in (4, 8):
-        raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    key = ("dynamic", bool(signed), bits)
-    if key not in _map_cache:
-        _map_cache[key] = tree_map([2 ** (bits - 2 - d + (0 if signed else 1)) for d in range(bits - 1)], signed)
-    return _map_cache[key].clone()
-
-
-def tree_map(counts, signed: bool = True) -> torch.Tensor:
-    """A sorted float32 map of the dynamic tree's structure with ``counts[d]`` entries in decade ``d``
-    (``d = 0`` the top): the midpoints of ``counts[d] + 1`` evenly spaced points in [0.1, 1], times
-    ``10**-d``, mirrored to negative values when ``signed``; plus 0 and 1.0. Entries are computed in
-    float64 and rounded once to float32."""
-    if not all(isinstance(k, int) and k >= 1 for k in counts):
-        raise ValueError(f"counts must be integers >= 1 (entries per decade), got {list(counts)}")
-    values = [0.0, 1.0]
-    for d, k in enumerate(counts):
-        scale = 10.0 ** (-d)
-        for j in range(k):
-            lo = 0.1 + 0.9 * j / k
-            hi = 0.1 + 0.9 * (j + 1) / k
-            v = scale * (lo + hi) / 2.0
-            values += [v, -v] if signed else [v]
-    return torch.tensor(sorted(values), dtype=torch.float64).to(torch.float32)
-
-
-_device_maps: dict = {}
-
-
-def state_map(kind: str, signed: bool, device) -> torch.Tensor:
-    """The map of a state: ``kind`` "dynamic", "dynamic6", "minifloat" or "linear", signed or not, one tensor
-    per device.
-
-    The same tensor every time, so that the kernels' lookup tables, which are cached per map
-    tensor, are built once."""
-    key = (kind, bool(signed), str(device))
-    m = _device_maps.get(key)
-    if m is None:
-        if kind == "linear":
-            base = create_linear_map(signed)
-        elif kind == "minifloat":
-            base = create_minifloat_map(signed)
-        elif kind == "dynamic6" and signed:
-            base = create_dynamic6_map()
-        else:  # "dynamic", and "dynamic6"'s unsigned map
-            base = create_dynamic_map(signed)
-        m = _device_maps[key] = base.to(device)
-    return m
-
-
-#: the signed "dynamic6" map's positive entries per decade, from [0.1, 1] down to [1e-6, 1e-5]
-DYNAMIC6_COUNTS = (72, 32, 14, 6, 2, 1)
-
-
-def create_dynamic6_map() -> torch.Tensor:
-    """The signed map of ``quantization="dynamic6"``: the dynamic tree map's structure over six decades
-    instead of seven (:func:`tree_map` of :data:`DYNAMIC6_COUNTS`): 72 of the 127 positive entries in the
-    top decade (the dynamic map: 64), 32 in the next, then 14, 6, 2, 1. Its smallest magnitude is 5.5e-6
-    of the block maximum (the dynamic map: 5.5e-7). Within a 64-element block a first moment rarely sits
-    that far below the block's largest; the entries given up there make the step between neighbouring
-    entries from 0.1 to 1 of the maximum, where most first moments lie, 11% smaller. Measured, GPT-2's
-    updates stay closer to 32-bit's (docs/results.md, "Requantization over 25 steps, and a map for the
-    first moment")."""
-    key = ("dynamic6", True, 8)
-    if key not in _map_cache:
-        _map_cache[key] = tree_map(DYNAMIC6_COUNTS, True)
-    return _map_cache[key].clone()
-
-
-#: the minifloat maps' exponent and mantissa bits: sign + E3M4 for signed states, E4M4 for unsigned ones
-MINIFLOAT_BITS = {True: (3, 4), False: (4, 4)}
-
-
-def minifloat_magnitudes(exp_bits: int, man_bits: int) -> torch.Tensor:
-    """The ``2**(E + M)`` magnitudes of :func:`minifloat_map`, ascending, in float64, the largest 1.0."""
-    f = torch.arange(2 ** man_bits, dtype=torch.float64) / 2 ** man_bits
-    mags = torch.cat([f * 2.0] + [(1.0 + f) * 2.0 ** e for e in range(1, 2 ** exp_bits)])
-    return mags / mags[-1]
-
-
-def mirrored_map(mags: torch.Tensor) -> torch.Tensor:
-    """A signed map from 128 ascending magnitudes, the first 0 and the last 1: the negatives from -1 up,
-    one zero (entry 127, +0.0), the positives up to 1.0 (entry 254), and entry 255 one top spacing above
-    1.0. Scaled values of a finite block are at most 1 (block maxima are stored rounded up), so entry
-    255 is never coded; it is there so that the map is symmetric about entry 127 with every entry
-    distinct, as the dynamic maps are, which is what the kernels' fast searches ask of a signed map."""
-    if not (mags.numel() == 128 and float(mags[0]) == 0.0 and float(mags[-1]) == 1.0
-            and bool((mags[1:] > mags[:-1]).all())):
-        raise ValueError("a mirrored map needs 128 ascending magnitudes from 0 to 1")
-    top = (2.0 * mags[-1] - mags[-2]).reshape(1)
-    return (torch.cat([-mags.flip(0), mags[1:], top]) + 0.0).to(torch.float32)  # + 0.0: -0.0 becomes +0.0
-
-
-def minifloat_map(exp_bits: int, man_bits: int, signed: bool) -> torch.Tensor:
-    """The sorted float32 map of a small float format in which every code is finite: exponent field
-    ``e`` and mantissa field ``f`` stand for ``(1 + f / 2**M) * 2**e``, and for ``(f / 2**M) * 2``
-    when ``e = 0`` (subnormals, 0 among them), all divided by the largest magnitude so that it is 1.0
-    (the bias cancels). Unsigned: the ``2**(E + M)`` magnitudes; signed: a sign bit and
-    ``2**(E + M) = 128`` magnitudes, laid out by :func:`mirrored_map` (one zero, and an entry above 1.0
-    in place of the second)."""
-    if not (isinstance(exp_bits, int) and isinstance(man_bits, int) and exp_bits >= 1 and man_bits >= 0
-            and exp_bits + man_bits == (7 if signed else 8)):
-        raise ValueError(f"a {'signed' if signed else 'unsigned'} 8-bit minifloat map needs exponent + mantissa "
-                         f"bits = {7 if signed else 8}, got E{exp_bits}M{man_bits}")
-    key = ("minifloat", bool(signed), exp_bits, man_bits)
-    if key not in _map_cache:
-        mags = minifloat_magnitudes(exp_bits, man_bits)
-        _map_cache[key] = mirrored_map(mags) if signed else mags.to(torch.float32)
-    return _map_cache[key].clone()
-
-
-def create_minifloat_map(signed: bool = True) -> torch.Tensor:
-    """The maps of ``quantization="minifloat"``: sign + E3M4 for signed states (first moments), E4M4 for
-    unsigned ones (second moments). 16 entries in every binade, from the block's maximum down to 8.1e-3
-    of it (signed; then 15 subnormals down to 5.0e-4) or 3.1e-5 (unsigned; down to 2.0e-6): neighbouring
-    entries at most 6.25% apart over that range, where "dynamic6"'s are 1.4% apart near the maximum,
-    2.5% at half of it, 7.8% a decade below it and 18% two decades below. Adam's update divides each
-    first moment by its own scale, so a moment a decade under its block's largest counts as much as the
-    largest; over 25 steps of GPT-2 the updates on these maps stay closer to 32-bit's than on "dynamic6"
-    (docs/results.md, "Minifloat maps"). Where a state's values sit within a decade of their block's
-    maximum, the dynamic maps' top decade is the finer (Adagrad8bitBlock and RMSprop8bitBlock keep
-    "dynamic6" by default for that)."""
-    return minifloat_map(*MINIFLOAT_BITS[bool(signed)], signed)
-
-
-def create_linear_map(signed: bool = True) -> torch.Tensor:
-    """256 evenly spaced float32 values: [-1, 1] when signed, [0, 1] when not (for ablations)."""
-    key = ("linear", bool(signed))
-    if key not in _map_cache:
-        lo = -1.0 if signed else 0.0
-        _map_cache[key] = torch.linspace(lo, 1.0, 256, dtype=torch.float64).to(torch.float32)
-    return _map_cache[key].clone()
+from .maps import (DYNAMIC6_COUNTS, MINIFLOAT_BITS, MinifloatCodec, codec_of, create_dynamic6_map,  # noqa: F401
+                   create_dynamic_map, create_linear_map, create_minifloat_map, minifloat_codec, minifloat_magnitudes,
+                   minifloat_map, minifloat_units, mirrored_map, state_map, tree_map)
 
 
 def check_block_size(block_size, name: str = "block_size") -> int:
@@ -309,6 +195,16 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return stored_absmax(block_max(x, block_size))
 
 
+def block_scale(absmax: torch.Tensor, code: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """What a block's values are multiplied by before they are coded, from its stored maximum ``A``
+    (float32): ``1 / A`` for a map coded through its table, ``T / A`` for a minifloat map (``T`` its
+    largest value, :class:`MinifloatCodec`); 0 where ``A`` is not positive (an all-zero block, or NaN)."""
+    codec = None if code is None else codec_of(code)
+    num = torch.full_like(absmax, 1.0 if codec is None else codec.top)
+    # a tensor divided by a tensor: one rounding (a scalar over a tensor is its reciprocal times the scalar)
+    return torch.where(absmax > 0, num / absmax, torch.zeros_like(absmax))
+
+
 def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int,
                          random_bits: Optional[torch.Tensor] = None, mid: Optional[torch.Tensor] = None,
                          prev: Optional[torch.Tensor] = None, old: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -320,7 +216,8 @@ def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     n = x.numel()
     nb = absmax.numel()
     a = absmax.to(torch.float32)
-    scale = torch.where(a > 0, 1.0 / a, torch.zeros_like(a))
+    by_table = mid is not None or prev is not None  # the table's rules (format4, the update-guided study)
+    scale = block_scale(a, None if by_table else code)
     pad = nb * block_size - n
     xs = torch.nn.functional.pad(x, (0, pad)) if pad else x
     y = (xs.view(nb, block_size) * scale[:, None]).reshape(-1)[:n]
@@ -330,13 +227,63 @@ def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tens
     return quantize_scaled(y, code, random_bits, mid, guide, old)
 
 
+def minifloat_codes(z: torch.Tensor, codec: MinifloatCodec, random_bits: Optional[torch.Tensor] = None,
+                    old: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes of values ``z`` in a minifloat map's units (a block's values times ``top / A``), from their
+    bits (module doc): to nearest, stochastically with ``random_bits`` (32 per element, int64), or guided by
+    ``old``, each element's code before the step."""
+    a = z.abs()
+    bits = a.view(torch.int32).to(torch.int64)
+    # the value as a fixed-point code with 19 fraction bits: the float's own bits from 2^(1 - bias) up, whose
+    # exponent and top mantissa bits are the code; below, the mantissa of a + 2^(1 - bias) (the subnormals,
+    # evenly spaced: the addition rounds a to the fixed point, to nearest even). NaN: replaced below
+    limit = 2.0 ** (1 - codec.bias)  # where the subnormals end: a + limit rounds a to their fixed point
+    fixed = torch.where(a < limit, (a + limit).view(torch.int32).to(torch.int64) - ((128 - codec.bias) << 23),
+                        bits - ((127 - codec.bias) << 23))
+    lo, frac = fixed >> FRACTION_BITS, fixed & FRACTION_MASK
+    up = frac > FRACTION_HALF  # the nearer entry; a value on a midpoint goes down
+    if random_bits is not None:
+        drawn = frac + (random_bits >> (32 - FRACTION_BITS)) > FRACTION_MASK
+        if old is not None:  # guided: drawn only where the old code is lo or lo + 1 (of the value's sign)
+            offset = old.to(torch.int64) - (127 if codec.signed else 0)
+            if codec.signed:
+                offset = torch.where(torch.signbit(z), -offset, offset)
+            drawn = torch.where((offset == lo) | (offset == lo + 1), drawn, up)
+        up = drawn
+    mag = lo + up.to(torch.int64)
+    if codec.signed:  # a value within a rounding of the top may round up to entry 255 (above 1.0) if positive
+        idx = torch.where(torch.signbit(z), 127 - mag, 127 + mag).clamp(0, 255)
+    else:
+        idx = torch.where(z < 0, torch.zeros_like(mag), mag.clamp(max=255))
+        idx = torch.where((z > 0) & (idx == 0), torch.ones_like(idx), idx)  # the zero point
+    return torch.where(torch.isnan(z), torch.full_like(idx, 255), idx).to(torch.uint8)
+
+
+def minifloat_values(codes: torch.Tensor, codec: MinifloatCodec) -> torch.Tensor:
+    """The map entries of minifloat codes, computed from their bits as the kernels do (module doc): equal to
+    indexing the map (``tests/test_functional.py`` checks every code)."""
+    c = codes.to(torch.int64)
+    mag = (c - 127).abs() if codec.signed else c
+    one = ((mag << 19) + ((127 - codec.bias) << 23)).to(torch.int32).view(torch.float32)
+    sub = mag < 16  # exponent field 0: the value is (one - 2^-bias) * 2
+    inv = torch.tensor(codec.inv_top, dtype=torch.float32)
+    units = torch.where(sub, one - 2.0 ** -codec.bias, one)
+    v = units * torch.where(sub, inv * 2.0, inv)
+    return torch.where((c < 127) & codec.signed, -v, v)
+
+
 def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[torch.Tensor] = None,
                     mid: Optional[torch.Tensor] = None, guide: Optional[Tuple[torch.Tensor, ...]] = None,
                     old: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Codes of values already divided by their block's absmax: nearest, or stochastic, or guided by the
     update with ``guide = (x, prev, A)`` per element (the unscaled value, the value before the update,
     the block's stored maximum), or guided by ``old``, each element's code before the step (module doc).
-    ``mid`` may give :func:`midpoints` of ``code``, computed once."""
+    ``mid`` may give :func:`midpoints` of ``code``, computed once. For a minifloat map (:func:`codec_of`)
+    ``y`` is in the map's units (times :func:`block_scale`) and the codes come from its bits, unless ``mid``
+    or ``guide`` ask for the table's rules."""
+    codec = codec_of(code) if mid is None and guide is None else None
+    if codec is not None:
+        return minifloat_codes(y, codec, random_bits, old)
     near = torch.searchsorted(midpoints(code) if mid is None else mid, y, right=False)
     if random_bits is None:
         return near.to(torch.uint8)

@@ -59,9 +59,10 @@ def test_dynamic6_map_is_the_tree_over_six_decades():
 
 
 def test_minifloat_maps_are_small_floats_with_every_code_finite():
-    """Signed: sign + E3M4, unsigned: E4M4; each entry (1 + f/16) 2^e, or f/16 * 2 for e = 0, over the
-    largest; 16 entries a binade. The signed map has one zero (+0.0, entry 127), is symmetric about it,
-    and ends with one entry above 1.0 (where the second zero would be) spaced like the top binade."""
+    """Signed: sign + E3M4, unsigned: E4M4; each entry (1 + f/16) 2^e, or f/16 * 2 for e = 0, times float32(1 /
+    the largest), one float32 product; 16 entries a binade. The signed map has one zero (+0.0, entry 127), is
+    symmetric about it, and ends with the format's next value above its largest (where the second zero
+    would be)."""
     for signed, (e_bits, m_bits) in ((True, (3, 4)), (False, (4, 4))):
         m = F.create_minifloat_map(signed)
         assert m.dtype == torch.float32 and m.shape == (256,) and F.MINIFLOAT_BITS[signed] == (e_bits, m_bits)
@@ -70,9 +71,10 @@ def test_minifloat_maps_are_small_floats_with_every_code_finite():
         for e in range(2 ** e_bits):
             for f in range(16):
                 mags.append(f / 16 * 2 if e == 0 else (1 + f / 16) * 2.0 ** e)
-        mags = np.array(mags) / max(mags)
-        ref = np.concatenate([-mags[::-1], mags[1:], [2 * mags[-1] - mags[-2]]]) if signed else mags
-        np.testing.assert_array_equal(m.double().numpy(), ref.astype(np.float32).astype(np.float64))
+        inv = np.float32(1.0 / max(mags))
+        mags = np.array(mags + ([2.0 ** (2 ** e_bits)] if signed else []), dtype=np.float32) * inv
+        ref = np.concatenate([-mags[1:128][::-1], mags]) if signed else mags
+        np.testing.assert_array_equal(m.numpy(), ref)
         assert not bool(torch.signbit(m).logical_and(m == 0).any()), "no -0.0 entry"
         assert bool((m[1:] > m[:-1]).all())
         pos = m[(m > 0) & (m <= 1)].double()
@@ -85,6 +87,74 @@ def test_minifloat_maps_are_small_floats_with_every_code_finite():
         F.minifloat_map(4, 4, True)
     with pytest.raises(ValueError, match="128 ascending magnitudes"):
         F.mirrored_map(torch.linspace(0, 1, 127, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_minifloat_codes_are_their_float_bits(signed):
+    """The codec of the minifloat maps (module doc, "The minifloat codec"): every code's value from its bits is
+    its map entry; every entry, times the largest value, codes back to itself (the signed map's entry above 1.0
+    too); the fixed point's two forms meet at the subnormals' end; the maps are known by value as well as by
+    identity, and the other maps have no codec."""
+    codec = F.minifloat_codec(signed)
+    code = F.create_minifloat_map(signed)
+    c = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(F.minifloat_values(c, codec).view(torch.int32), code.view(torch.int32))
+    assert torch.equal(F.minifloat_codes(code * codec.top, codec), c)
+    limit = 2.0 ** (1 - codec.bias)
+    edge = torch.tensor([limit], dtype=torch.float32)
+    below = torch.nextafter(edge, torch.zeros(1))
+    assert F.minifloat_codes(torch.cat([below, edge]), codec).tolist() == ([127 + 16, 127 + 16] if signed else [16, 16])
+    assert F.codec_of(F.state_map("minifloat", signed, "cpu")) == codec == F.codec_of(code.clone())
+    for other in (F.create_dynamic_map(signed), F.create_linear_map(signed), F.create_dynamic6_map()):
+        assert F.codec_of(other) is None
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_minifloat_rounding_against_its_statement(signed):
+    """Nearest, stochastic and guided codes of values around the entries, against the rule stated on the
+    format's magnitudes: the nearer (a midpoint goes down), the larger with probability the fraction of the
+    way to it (19 random bits added below the kept mantissa: up where they reach past the next code), the
+    stochastic code next to the old code and the nearest elsewhere; the zero point; NaN to 255."""
+    codec = F.minifloat_codec(signed)
+    # the format's values with its top binade at [1, 2), exact in float64, ascending from 0
+    mags = F.minifloat_units(*F.MINIFLOAT_BITS[signed]) / 2.0 ** codec.bias
+    g = torch.Generator().manual_seed(1)
+    n = 200000
+    start = torch.randint(0, mags.numel() - 1, (n,), generator=g)
+    gap = mags[start + 1] - mags[start]
+    where = torch.where(torch.rand(n, generator=g) < 0.2, torch.full((n,), 0.5, dtype=torch.float64),
+                        torch.rand(n, generator=g, dtype=torch.float64))
+    a = (mags[start] + where * gap).to(torch.float32)
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0) if signed else torch.ones(n)
+    z = a * sign
+    ad = a.double()
+    lo = (torch.searchsorted(mags, ad, right=True) - 1).clamp(max=mags.numel() - 2)
+    frac = (ad - mags[lo]) / (mags[lo + 1] - mags[lo])
+
+    def code_of(m, zero_point=True):  # the code of magnitude m of z's sign; the unsigned map's zero point
+        if signed:
+            return torch.where(sign < 0, 127 - m, 127 + m)
+        return torch.where((a > 0) & (m == 0), torch.ones_like(m), m) if zero_point else m
+
+    assert torch.equal(F.minifloat_codes(z, codec).long(), code_of(lo + (frac > 0.5).long()))
+    bits = torch.randint(0, 2 ** 32, (n,), generator=g, dtype=torch.int64)
+    drawn = (bits >> 13).double() / 2 ** 19
+    up = F.minifloat_codes(z, codec, bits).long()
+    assert bool(((up == code_of(lo)) | (up == code_of(lo + 1))).all())
+    went_up = up == code_of(lo + 1)
+    two = code_of(lo) != code_of(lo + 1)  # not the unsigned map's zero point, where both are code 1
+    # up where the draw reaches past 1 - fraction (the value's own 19 fraction bits: within 2^-19 of it)
+    assert bool((~two | ~went_up | (drawn >= 1 - frac - 2 ** -19)).all())
+    assert bool((~two | went_up | (drawn < 1 - frac + 2 ** -19)).all())
+    old = torch.where(torch.rand(n, generator=g) < 0.6, code_of(lo + torch.randint(0, 2, (n,), generator=g), False),
+                      torch.randint(0, 256, (n,), generator=g))
+    guided = F.minifloat_codes(z, codec, bits, old).long()
+    next_to = (old == code_of(lo, False)) | (old == code_of(lo + 1, False))
+    nearest = code_of(lo + (frac > 0.5).long())
+    assert torch.equal(guided[next_to], up[next_to]) and torch.equal(guided[~next_to], nearest[~next_to])
+    special = torch.tensor([float("nan"), 1e-30, -1e-30])
+    out = F.minifloat_codes(special, codec, bits[:3]).tolist()
+    assert out[0] == 255 and out[1] == (127 if signed else 1) and out[2] == (127 if signed else 0)
 
 
 def test_tree_map_builds_the_dynamic_maps():

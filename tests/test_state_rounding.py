@@ -15,6 +15,7 @@ import torch
 
 import ds_q8
 from ds_q8 import functional as F
+from ds_q8 import maps
 from ds_q8.optim import rounding
 from ds_q8.optim.group_options import OPTIONS
 
@@ -272,7 +273,7 @@ def test_stochastic_state_rounding_kernels_match_the_reference_on_a_map_without_
     k = 143  # 0.00128 between 0.00094 and 0.00184: the entry's table bucket holds no other midpoint
     code[k + 1] = torch.nextafter(code[k], torch.tensor(1.0))
     assert code[k + 1] < code[k + 2]
-    monkeypatch.setitem(F._device_maps, ("dynamic", True, "cpu"), code)
+    monkeypatch.setitem(maps._device_maps, ("dynamic", True, "cpu"), code)
     g = _unit_max_blocks(_edge_values(code).clamp(-1.0, 1.0), 256)
     kernel, reference = run_both(ds_q8.AdamW8bitBlock, dict(betas=(0.0, 0.0), weight_decay=0.0), g.numel(),
                                  torch.float32, steps=3, block_size=256, grads=[g, g.flip(0), g])

@@ -116,8 +116,8 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
                 continue
             new_absmax = F.block_absmax(s, bs)
             a[b0:b1] = new_absmax
-            bits = None if not drawn[i] else rounding.random_bits(
-                rounding.state_key(sr[0], i), torch.arange(sr[1] + start, sr[1] + end, device=p.device))
+            bits = None if not drawn[i] else rounding.state_bits(
+                rounding.state_key(sr[0], i), torch.arange(sr[1] + start, sr[1] + end, device=p.device), i)
             c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits, prev=before, old=old)
         if error_sums is not None:
             for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):

@@ -51,7 +51,7 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
             if mode:
                 per_piece = torch.tensor([rounding.state_key(key, i) for key in element_keys], dtype=torch.int64,
                                          device=device)
-                state_bits[i] = rounding.random_bits(per_piece[owner], in_param)
+                state_bits[i] = rounding.state_bits(per_piece[owner], in_param, i)
     n = absmax_at.numel()
     if sums is not None:
         segment_of = torch.tensor([pc.segment for pc in pieces], dtype=torch.int64, device=device)
@@ -63,13 +63,16 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     def finish(agreed: torch.Tensor) -> None:
         stored = F.stored_absmax(agreed.view(k, n))  # rounding up is monotone: any rank may round
         agreed = stored.to(torch.float32)
-        scale = torch.where(agreed > 0, 1.0 / agreed, torch.zeros_like(agreed))
         for i in range(k):
             a = agreed[i].index_select(0, owner)
             guide = None if prev[i] is None else (states[i], prev[i], a)
             old = codes[i].index_select(0, code_at).long() if modes[i] == ROUND_GUIDED_CODE else None
-            q = F.quantize_scaled(states[i] * scale[i].index_select(0, owner), maps[i], state_bits[i],
-                                  _midpoints(maps[i]), guide, old)
+            # a minifloat map is coded from the bits of values in its own units (F.block_scale), unless the
+            # study's update-guided rule asks for the table's
+            by_code = guide is None and F.codec_of(maps[i]) is not None
+            scale = F.block_scale(agreed[i], maps[i] if by_code else None)
+            q = F.quantize_scaled(states[i] * scale.index_select(0, owner), maps[i], state_bits[i],
+                                  None if by_code else _midpoints(maps[i]), guide, old)
             codes[i].index_copy_(0, code_at, q)
             absmax[i].index_copy_(0, absmax_at, stored[i])
             if sums is not None:  # telemetry: each element's error goes to its piece's parameter

@@ -16,10 +16,15 @@ permutes the 32-bit values: each element's bits are uniform and independent from
 is all that rounding that is right on average needs. Within one step the elements' draws lie on a
 lattice (a shifted golden-ratio sequence over ``index``), spread more evenly than independent draws.
 One multiplication per element instead of the finalizer's two and three shifts is what it saves.
-The C++ and CUDA kernels implement the
-same functions in ``csrc/includes/q8_common.h`` (``q8_sr_bits``, ``q8_*_from_float_sr``,
-``q8_state_key``). The requantization of a state draws with :func:`state_key` of the parameter's key
-(``ds_q8.functional.quantize_with_absmax`` says how the bits pick a code).
+
+The requantization of state ``k`` draws with its own key, :func:`state_key` of the parameter's, and its
+own multiplier: ``(key_k + index) * STATE_MULS[k]`` (:func:`state_bits`). Over consecutive elements these
+bits are a Weyl sequence (each the one before plus the multiplier), which a kernel computes with one
+addition per element, and which spreads the draws of a block evenly; a fresh key each step makes every
+element's draw uniform and independent from step to step, and the states' different multipliers keep
+the draws of one element's states apart. (``ds_q8.functional.quantize_with_absmax`` says how the bits
+pick a code.) The C++ and CUDA kernels implement the same functions in ``csrc/includes/q8_common.h``
+(``q8_sr_bits``, ``q8_*_from_float_sr``, ``q8_state_key``, ``q8_state_bits``).
 """
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ def state_key(key: int, state: int) -> int:
 
 #: the multiplier of an element's random bits: 2^32 / the golden ratio, rounded to odd
 DRAW_MUL = 0x9E3779B9
+#: the multipliers of the states' random bits: 2^32 times the fractional parts of the golden ratio, of the
+#: square root of 2 and of the square root of 3, rounded to odd
+STATE_MULS = (0x9E3779B9, 0x6A09E667, 0xBB67AE85)
 
 
 def _mul32(a: torch.Tensor, b: int) -> torch.Tensor:
@@ -81,6 +89,14 @@ def random_bits(key: Union[int, torch.Tensor], index: torch.Tensor) -> torch.Ten
     from the top (module doc)."""
     k = key if isinstance(key, int) else key.to(torch.int64)
     return _mul32((index.to(torch.int64) & _M32) ^ k, DRAW_MUL)
+
+
+def state_bits(key: Union[int, torch.Tensor], index: torch.Tensor, state: int) -> torch.Tensor:
+    """32 random bits per element (int64 tensor) for requantizing state ``state``: ``(key + index) *
+    STATE_MULS[state]`` modulo 2^32, ``key`` the state's (:func:`state_key`; or one per element), to be read from
+    the top (module doc)."""
+    k = key if isinstance(key, int) else key.to(torch.int64)
+    return _mul32(((index.to(torch.int64) & _M32) + k) & _M32, STATE_MULS[state])
 
 
 def _bits_of(x: torch.Tensor) -> torch.Tensor:
@@ -159,5 +175,5 @@ def join_bf16(b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return u.view(torch.float32)
 
 
-__all__ = ["split_bf16", "join_bf16", "mix32", "step_key", "sr_key", "state_key", "random_bits", "round_stochastic", "to_bf16_stochastic",
+__all__ = ["split_bf16", "join_bf16", "mix32", "step_key", "sr_key", "state_key", "random_bits", "state_bits", "STATE_MULS", "round_stochastic", "to_bf16_stochastic",
            "to_fp16_stochastic"]

@@ -226,7 +226,7 @@ float float_map_value(int c, int is_signed) {
     } else {
         _mm256_store_ps(out, decode_magnitude<4, 4>(code));
     }
-    return out[0] / top<4>();
+    return out[0] * (1.0f / top<4>());  // the maps' entries: a code's value times float32(1 / top)
 }
 
 }  // extern "C"

@@ -12,6 +12,7 @@
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"
 #include "q8_floormap.h"
+#include "q8_avx2_minifloat.h"
 
 namespace ds_q8 {
 namespace {
@@ -34,7 +35,7 @@ inline V256 q8_sign(V256 a) {  // torch.sign: +0 for +-0 and NaN (ordered compar
     return _mm256_sub_ps(pos, neg);
 }
 
-struct Avx2 : PerVectorBlocks<Avx2> {
+struct Avx2 : PerVectorBlocks<Avx2>, Avx2Minifloat {
     static constexpr int W = 8;
     static constexpr int kChunk = W;
     using V = V256;
@@ -147,8 +148,8 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         if (cnt != W) finish(out, b, cnt);
     }
 
-    static __m256i draw_bits(__m256i h) {  // q8_sr_bits on 8 lanes, h = key ^ index
-        return _mm256_mullo_epi32(h, _mm256_set1_epi32((int)Q8_DRAW_MUL));
+    static __m256i draw_bits(__m256i index, __m256i key, __m256i mul) {  // q8_state_bits on 8 lanes
+        return _mm256_mullo_epi32(_mm256_add_epi32(index, key), mul);
     }
 
     // q8_round_stochastic's choice for 8 values between entries c_lo <= y and c_hi: the upper one where
@@ -177,7 +178,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
     // q8_round_stochastic on 8 values at a time (guided by the old codes where old is given): the two map
     // entries around each by gathers.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table,
-                                       const float* code, uint32_t key, uint32_t first, const uint8_t* old) {
+                                       const float* code, uint32_t key, uint32_t mul, uint32_t first, const uint8_t* old) {
         const __m256 vscale = _mm256_set1_ps(q8_block_scale(absmax));
         const __m256i one = _mm256_set1_epi32(1), top = _mm256_set1_epi32(255), zero = _mm256_setzero_si256();
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -196,7 +197,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
             const __m256 c_lo = _mm256_blendv_ps(cn, c, _mm256_castsi256_ps(up));
             const __m256 c_hi = _mm256_blendv_ps(c, cn, _mm256_castsi256_ps(up));
             const __m256i index = _mm256_add_epi32(_mm256_set1_epi32((int)(first + (uint32_t)i)), iota);
-            const __m256i r = draw_bits(_mm256_xor_si256(index, _mm256_set1_epi32((int)key)));
+            const __m256i r = draw_bits(index, _mm256_set1_epi32((int)key), _mm256_set1_epi32((int)mul));
             const __m256i idx = old ? pick_by_code(y, c_lo, c_hi, lo, hi, load_codes(old + i, cnt), r, unsigned_map)
                                     : pick_entry(y, c_lo, c_hi, lo, hi, r, unsigned_map);
             store_bytes(codes + i, idx, cnt);
@@ -293,6 +294,7 @@ struct Avx2 : PerVectorBlocks<Avx2> {
         }
         const FloorMap& fm = *sr->floor;
         const __m256i key = _mm256_set1_epi32((int)sr->key), one = _mm256_set1_epi32(1), eight = _mm256_set1_epi32(8);
+        const __m256i mul = _mm256_set1_epi32((int)sr->mul);
         const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
             const int blen = len - b0 < bs ? len - b0 : bs;
@@ -308,11 +310,11 @@ struct Avx2 : PerVectorBlocks<Avx2> {
                 const int cnt = blen - i < W ? blen - i : W;
                 __m256i idx;
                 if (sr->by_code) {  // the old codes, read before this vector's are written
-                    const __m256i old = load_codes(out + b0 + i, cnt), r = draw_bits(_mm256_xor_si256(index, key));
+                    const __m256i old = load_codes(out + b0 + i, cnt), r = draw_bits(index, key, mul);
                     idx = finite ? pick_by_code<true, true>(y, c_lo, c_hi, lo, hi, old, r, false)
                                  : pick_by_code<false, true>(y, c_lo, c_hi, lo, hi, old, r, false);
                 } else {
-                    idx = pick_entry(y, c_lo, c_hi, lo, hi, draw_bits(_mm256_xor_si256(index, key)), false);
+                    idx = pick_entry(y, c_lo, c_hi, lo, hi, draw_bits(index, key, mul), false);
                 }
                 store_bytes(out + b0 + i, idx, cnt);
             }

@@ -18,6 +18,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,f16c")
 #endif
 
+#include "q8_avx512_minifloat.h"
 #include "q8_avx512_vectors.h"
 #include "q8_common.h"
 #include "q8_cpu_blocks.h"  // Stochastic (this file writes its block functions itself)
@@ -26,7 +27,7 @@
 namespace ds_q8 {
 namespace {
 
-struct Avx512 : Avx512Vectors {
+struct Avx512 : Avx512Vectors, Avx512Minifloat {
     // 16 scaled values by the lookup table: one gather (q8_quantize_scaled without its NaN case).
     static __m512i lookup16(__m512 y, const uint32_t* lookup) {
         const __m512i u = _mm512_castps_si512(y);
@@ -205,10 +206,6 @@ struct Avx512 : Avx512Vectors {
         }
     }
 
-    static __m512i draw_bits(__m512i h) {  // q8_sr_bits on 16 lanes, h = key ^ index
-        return _mm512_mullo_epi32(h, _mm512_set1_epi32((int)Q8_DRAW_MUL));
-    }
-
     static __mmask64 join(const __mmask16* m) {
         return (__mmask64)m[0] | ((__mmask64)m[1] << 16) | ((__mmask64)m[2] << 32) | ((__mmask64)m[3] << 48);
     }
@@ -216,13 +213,17 @@ struct Avx512 : Avx512Vectors {
     // What stochastic64 keeps in registers across a call.
     struct SrRegs {
         __m512 unit;
-        __m512i iota, vkey;
+        __m512i iota, vkey, vmul;
         bool unsigned_map;
     };
     static SrRegs sr_regs(const Stochastic<Table>& sr) {
         return SrRegs{_mm512_set1_ps(5.9604644775390625e-08f),
                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                      _mm512_set1_epi32((int)sr.key), sr.code[0] == 0.0f};
+                      _mm512_set1_epi32((int)sr.key), _mm512_set1_epi32((int)sr.mul), sr.code[0] == 0.0f};
+    }
+
+    static __m512i draw_bits(__m512i index, const SrRegs& g) {  // q8_state_bits on 16 lanes
+        return _mm512_mullo_epi32(_mm512_add_epi32(index, g.vkey), g.vmul);
     }
 
     // q8_round_stochastic on 64 values x[0..64) (scaled by vscale) whose nearest codes are n, the
@@ -256,7 +257,7 @@ struct Avx512 : Avx512Vectors {
             const __m512 c_hi = _mm512_mask_blend_ps(up[q], c[q], cn[q]);
             const __m512 gap = _mm512_sub_ps(c_hi, c_lo), above = _mm512_sub_ps(y[q], c_lo);
             const __m512i index = _mm512_add_epi32(_mm512_set1_epi32((int)(sr.first + at + (uint32_t)(16 * q))), g.iota);
-            const __m512i r = draw_bits(_mm512_xor_si512(index, g.vkey));
+            const __m512i r = draw_bits(index, g);
             __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(r, 8)), g.unit);
             // by the code: the nearer entry's test is the draw's with 0.5 for u, so the lanes that keep
             // the nearer entry take 0.5 and one product serves both (0.5 * gap is gap * 0.5, exactly)

@@ -83,6 +83,14 @@ inline simde__m256i cvtepi32_epi16(simde__m512i a) {
     return from_lanes<simde__m256i>(h);
 }
 
+inline simde__m512i cvtepu8_epi32(simde__m128i a) {
+    uint8_t b[16];
+    int32_t l[16];
+    to_lanes(a, b);
+    for (int i = 0; i < 16; ++i) l[i] = b[i];
+    return from_lanes<simde__m512i>(l);
+}
+
 inline simde__m512i cvtepu16_epi32(simde__m256i a) {
     uint16_t h[16];
     int32_t l[16];
@@ -160,6 +168,7 @@ inline simde__m256i cvtps_ph(simde__m512 a) {
 #define _mm512_cvtepi32_ps(a) q8_emulated::cvtepi32_ps(a)
 #define _mm512_cvttps_epi32(a) q8_emulated::cvttps_epi32(a)
 #define _mm512_cvtepi32_epi16(a) q8_emulated::cvtepi32_epi16(a)
+#define _mm512_cvtepu8_epi32(a) q8_emulated::cvtepu8_epi32(a)
 #define _mm512_cvtepu16_epi32(a) q8_emulated::cvtepu16_epi32(a)
 #define _mm512_cvtph_ps(a) q8_emulated::cvtph_ps(a)
 #define _mm512_cvtps_ph(a, imm) q8_emulated::cvtps_ph<(imm)>(a)
@@ -170,6 +179,7 @@ inline simde__m256i cvtps_ph(simde__m512 a) {
 #define _mm512_shuffle_i64x2(a, b, imm) simde_mm512_shuffle_i64x2((a), (b), (imm))
 #define _mm512_maskz_loadu_ps(m, p) (q8_emulated::masked_load<simde__m512, float, 16>((m), (p)))
 #define _mm512_maskz_loadu_epi8(m, p) (q8_emulated::masked_load<simde__m512i, int8_t, 64>((m), (p)))
+#define _mm_maskz_loadu_epi8(m, p) (q8_emulated::masked_load<simde__m128i, int8_t, 16>((m), (p)))
 #define _mm256_maskz_loadu_epi16(m, p) (q8_emulated::masked_load<simde__m256i, int16_t, 16>((m), (p)))
 // a masked store of lanes of type L, N of them
 #define Q8_EMULATED_STORE(L, N, p, m, a)                \

@@ -270,6 +270,7 @@ std::vector<torch::Tensor> quantize(const std::string& isa, const torch::Tensor&
     a.code = code.data_ptr<float>();
     a.lookup = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
     a.fast = fast_map_for(code);
+    a.map_kind = q8_map_kind(a.code);
     a.num_threads = at::get_num_threads();
     if (isa == "avx512") quantize_avx512(a);
     else if (isa == "avx2") quantize_avx2(a);

@@ -32,6 +32,7 @@ struct StepArgs {
     const uint32_t* lookup[Q8_MAX_STATES]; // q8_build_lookup table of each map
     const FastMap* fast[Q8_MAX_STATES];    // its segment tables, or null (q8_build_fastmap)
     const FloorMap* floor[Q8_MAX_STATES];  // its floor tables, or null (q8_build_floormap)
+    uint8_t map_kind[Q8_MAX_STATES];       // Q8MapKind: coded through the tables above, or a minifloat map
     int num_states;            // 1 to Q8_MAX_STATES: must be the rule's
     bool fp32_states;          // states are float32 (below): no codes, maps or absmax
     float* states32[Q8_MAX_STATES];
@@ -61,6 +62,7 @@ struct QuantizeArgs {
     const float* code;
     const uint32_t* lookup;
     const FastMap* fast;
+    uint8_t map_kind;          // Q8MapKind (q8_minifloat.h): a minifloat map is coded from bits, not `lookup`
     int num_threads;
 };
 

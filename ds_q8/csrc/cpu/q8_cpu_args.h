@@ -17,6 +17,7 @@
 #include "q8_cpu_api.h"
 #include "q8_fastmap.h"
 #include "q8_floormap.h"
+#include "q8_minifloat.h"
 
 namespace ds_q8 {
 namespace {
@@ -88,6 +89,7 @@ struct StepMaps {
     const uint32_t* lookup[Q8_MAX_STATES];
     const FastMap* fast[Q8_MAX_STATES];
     const FloorMap* floor[Q8_MAX_STATES];
+    uint8_t kind[Q8_MAX_STATES];
 };
 
 StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<torch::Tensor>& lookups) {
@@ -102,6 +104,7 @@ StepMaps step_maps(const std::vector<torch::Tensor>& maps, const std::vector<tor
         m.lookup[i] = reinterpret_cast<const uint32_t*>(lookups[i].data_ptr<int32_t>());
         m.fast[i] = fast_map_for(maps[i]);
         m.floor[i] = floor_map_for(maps[i]);
+        m.kind[i] = q8_map_kind(m.code[i]);
     }
     return m;
 }
@@ -158,6 +161,7 @@ StepArgs step_args(const std::string& rule, const torch::Tensor& param, const to
         a.lookup[i] = maps.lookup[i];
         a.fast[i] = maps.fast[i];
         a.floor[i] = maps.floor[i];
+        a.map_kind[i] = maps.kind[i];
     }
     return a;
 }

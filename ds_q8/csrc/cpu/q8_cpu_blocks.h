@@ -18,7 +18,7 @@ struct FloorMap;  // q8_floormap.h: the AVX2 driver's two entries around a value
 namespace {
 
 // Stochastic requantization of a call's values (q8_round_stochastic): the map as the instruction set
-// prepared it, the map itself, the state's key, the index of the call's first value in its parameter,
+// prepared it, the map itself, the state's key and multiplier, the index of the call's first value in its parameter,
 // the map's floor tables (null when the map has none), and for requantization guided by the old code
 // (q8_round_guided_code) `by_code`: the codes a call writes hold the old ones when it starts.
 template <class Table>
@@ -26,6 +26,7 @@ struct Stochastic {
     const Table* table;
     const float* code;
     uint32_t key;
+    uint32_t mul;  // the state's multiplier: an element's bits are (key + index) * mul (q8_state_bits)
     uint32_t first;
     const FloorMap* floor;
     bool by_code;
@@ -65,7 +66,7 @@ struct PerVectorBlocks {
             if (by_code) memcpy(old, out + b0, (size_t)blen);
             Self::quantize_block(out + b0, x + b0, blen, absmax[j], lookup, fast);
             if (sr)
-                Self::round_block_stochastic(out + b0, x + b0, blen, absmax[j], *sr->table, sr->code, sr->key,
+                Self::round_block_stochastic(out + b0, x + b0, blen, absmax[j], *sr->table, sr->code, sr->key, sr->mul,
                                              sr->first + (uint32_t)b0, by_code ? old : nullptr);
         }
     }
@@ -73,10 +74,10 @@ struct PerVectorBlocks {
     // One value at a time (the scalar driver; the AVX2 one has its own); guided by the old codes where
     // old is given.
     static void round_block_stochastic(uint8_t* codes, const float* x, int len, float absmax, Table code,
-                                       const float*, uint32_t key, uint32_t first, const uint8_t* old) {
+                                       const float*, uint32_t key, uint32_t mul, uint32_t first, const uint8_t* old) {
         const float scale = q8_block_scale(absmax);
         for (int i = 0; i < len; ++i) {
-            const uint32_t r = q8_sr_bits(key, first + (uint32_t)i);
+            const uint32_t r = (key + first + (uint32_t)i) * mul;
             const float y = x[i] * scale;
             codes[i] = (uint8_t)(old ? q8_round_guided_code(y, codes[i], code, r, old[i])
                                      : q8_round_stochastic(y, codes[i], code, r));

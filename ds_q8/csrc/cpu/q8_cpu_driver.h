@@ -32,6 +32,7 @@
 #include "q8_common.h"
 #include "q8_cpu_api.h"
 #include "q8_cpu_blocks.h"  // Stochastic
+#include "q8_minifloat.h"
 #include "q8_rules.h"       // Q8_RULES
 
 namespace ds_q8 {
@@ -46,6 +47,36 @@ static_assert(kTile <= kMaxBlock && kTile % Q8_MIN_BLOCK == 0, "a tile is whole 
 
 inline int64_t q8_min(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t tile_of(int64_t block_size) { return block_size > kTile ? block_size : kTile; }
+
+// A minifloat map's codes of a chunk (kChunk values, cnt of them read) as map entries times absmax
+// (q8_minifloat.h, decoded from their bits): the traits' own where they have it (mf_dequant_chunk), else one
+// value at a time.
+template <class I>
+__attribute__((always_inline)) inline void mf_dequant_chunk(typename I::V* out, const uint8_t* codes, int cnt, bool is_signed, float absmax) {
+    if constexpr (I::W == 1) {
+        out[0] = q8_mf_value(codes[0], is_signed) * absmax;
+    } else {
+        I::mf_dequant_chunk(out, codes, cnt, is_signed, absmax);
+    }
+}
+
+// A minifloat map's codes of `len` values (blocks of bs, block j's stored maximum absmax[j]), rounded as
+// `mode` says with the random bits of state k (q8_state_bits: key, and x[0]'s index `first`), the old codes
+// read from `out` before they are replaced: q8_mf_code on each, or the traits' mf_requantize where they have it.
+template <class I>
+inline void mf_requantize_blocks(uint8_t* out, const float* x, int len, const float* absmax, int bs, bool is_signed,
+                                 int mode, uint32_t key, int k, uint32_t first) {
+    if constexpr (I::W == 1) {
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
+            const float s = q8_mf_scale(absmax[j]);
+            const int end = len - b0 < bs ? len : b0 + bs;
+            for (int i = b0; i < end; ++i)
+                out[i] = (uint8_t)q8_mf_code(is_signed, x[i] * s, mode, q8_state_bits(key, k, first + (uint32_t)i), out[i]);
+        }
+    } else {
+        I::mf_requantize(out, x, len, absmax, bs, is_signed, mode, key, q8_state_mul(k), first);
+    }
+}
 
 // A parameter write: rounded to nearest, or stochastically for 16-bit parameters when the tensor asks
 // (the same bits as the CUDA kernel and the reference: q8_store_sr on each element).
@@ -131,6 +162,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
     const int64_t total = tiles.total();
 #pragma omp parallel num_threads(args[0].num_threads)
     {
+        const Rule local_rule = rule;  // its fields stay in registers: the parameter stores cannot alias a local
         alignas(64) float tmp[K][kMaxBlock];
         alignas(64) float deq[kMaxBlock];  // telemetry only: the requantized values of a tile
         typename I::Table table[K];
@@ -182,6 +214,34 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
             int cur_bi = 0;
             for (int k = 0; k < K; ++k) cur[k] = I::absmax_init(), old_absmax[k] = q8_absmax_load(a.absmax[k][first_block]);
             const int block_shift = __builtin_ctzll((unsigned long long)bs);
+            uint8_t kind[K];
+            for (int k = 0; k < K; ++k) kind[k] = a.map_kind[k];
+            // One chunk: its states decoded, the rule, the parameter written, the states kept in the scratch
+            // buffer and their running maxima; a full chunk (kFull) with every lane live, at compile time.
+            auto run_chunk = [&]<bool kFull>(int i, int chunk) {
+                V s[K][C / W];
+                for (int k = 0; k < K; ++k) {
+                    if (kind[k] != kMapTable)
+                        mf_dequant_chunk<I>(s[k], a.codes[k] + start + i, chunk, kind[k] == kMapMinifloatSigned,
+                                            old_absmax[k]);
+                    else
+                        I::dequant_chunk(s[k], a.codes[k] + start + i, chunk, table[k], old_absmax[k]);
+                }
+                for (int j = 0; j < C / W && (kFull || j * W < chunk); ++j) {
+                    const int at = i + j * W;
+                    const int cnt = kFull ? W : (int)q8_min(W, len - at);
+                    V p = load_param<I>(param + start + at, cnt, a, start + at);
+                    V g = I::load(grad + start + at, cnt);
+                    V st[K];
+                    for (int k = 0; k < K; ++k) st[k] = s[k][j];
+                    local_rule(p, g, st);
+                    store_param<I>(param + start + at, p, cnt, a, start + at);
+                    for (int k = 0; k < K; ++k) {
+                        I::store_tmp(tmp[k] + at, st[k]);
+                        cur[k] = I::absmax_step(cur[k], st[k], cnt);
+                    }
+                }
+            };
             for (int i = 0; i < len; i += C) {
                 const int bi = i >> block_shift;
                 if (bi != cur_bi) {
@@ -200,24 +260,9 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                     if ((i & 63) == 0)
                         for (int k = 0; k < K; ++k) __builtin_prefetch(next_codes[k] + i, 1, 2);
                 }
-                V s[K][C / W];
                 const int chunk = (int)q8_min(C, len - i);
-                for (int k = 0; k < K; ++k)
-                    I::dequant_chunk(s[k], a.codes[k] + start + i, chunk, table[k], old_absmax[k]);
-                for (int j = 0; j < C / W && j * W < chunk; ++j) {
-                    const int at = i + j * W;
-                    const int cnt = (int)q8_min(W, len - at);
-                    V p = load_param<I>(param + start + at, cnt, a, start + at);
-                    V g = I::load(grad + start + at, cnt);
-                    V st[K];
-                    for (int k = 0; k < K; ++k) st[k] = s[k][j];
-                    rule(p, g, st);
-                    store_param<I>(param + start + at, p, cnt, a, start + at);
-                    for (int k = 0; k < K; ++k) {
-                        I::store_tmp(tmp[k] + at, st[k]);
-                        cur[k] = I::absmax_step(cur[k], st[k], cnt);
-                    }
-                }
+                if (chunk == C) run_chunk.template operator()<true>(i, chunk);
+                else run_chunk.template operator()<false>(i, chunk);
             }
             for (int k = 0; k < K; ++k) acc[k][cur_bi] = cur[k];
             for (int k = 0; k < K; ++k) {
@@ -230,11 +275,17 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
             }
             for (int k = 0; k < K; ++k) {
                 uint8_t* codes = a.codes[k] + start;
-                const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
-                                                       (uint32_t)(a.sr_index + start), a.floor[k],
-                                                       a.stochastic_states[k] == Q8_ROUND_GUIDED_CODE};
-                I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
-                                     a.stochastic_states[k] ? &sr : nullptr);
+                if (a.map_kind[k] != kMapTable) {
+                    mf_requantize_blocks<I>(codes, tmp[k], len, amax[k], (int)bs, a.map_kind[k] == kMapMinifloatSigned,
+                                            a.stochastic_states[k], q8_state_key(a.sr_key, k), k,
+                                            (uint32_t)(a.sr_index + start));
+                } else {
+                    const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
+                                                           q8_state_mul(k), (uint32_t)(a.sr_index + start), a.floor[k],
+                                                           a.stochastic_states[k] == Q8_ROUND_GUIDED_CODE};
+                    I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
+                                         a.stochastic_states[k] ? &sr : nullptr);
+                }
                 if (a.error_sums) {  // quantization telemetry (optim/telemetry.py): off by default
                     for (int bi = 0; bi < blocks; ++bi) {
                         const int b0 = (int)(bi * bs);
@@ -338,7 +389,11 @@ void quantize_blocks(const QuantizeArgs& a) {
             const uint16_t stored = q8_absmax_store(I::absmax_reduce(acc));
             a.absmax[b] = stored;
             const float absmax = q8_absmax_load(stored);
-            I::requantize_blocks(a.codes + start, tmp, len, &absmax, len, a.lookup, a.fast, nullptr);
+            if (a.map_kind != kMapTable)
+                mf_requantize_blocks<I>(a.codes + start, tmp, len, &absmax, len, a.map_kind == kMapMinifloatSigned,
+                                        Q8_ROUND_NEAREST, 0u, 0, 0u);
+            else
+                I::requantize_blocks(a.codes + start, tmp, len, &absmax, len, a.lookup, a.fast, nullptr);
         }
     }
 }

@@ -166,6 +166,11 @@ Q8_HD uint16_t q8_half_from_float_sr(float f, uint32_t r) {
 // The key of the random bits that requantize state k of a tensor whose key is `key` (rounding.state_key).
 Q8_HD uint32_t q8_state_key(uint32_t key, int k) { return q8_mix32(key ^ (0x9E3779B9u * (uint32_t)(k + 1))); }
 
+// The random bits that requantize state k of an element (rounding.state_bits): (state key + index) times the
+// state's multiplier, a Weyl sequence over consecutive elements (each the one before plus the multiplier).
+Q8_HD uint32_t q8_state_mul(int k) { return k == 0 ? 0x9E3779B9u : k == 1 ? 0x6A09E667u : 0xBB67AE85u; }
+Q8_HD uint32_t q8_state_bits(uint32_t state_key, int k, uint32_t index) { return (state_key + index) * q8_state_mul(k); }
+
 // Stochastic requantization of a scaled value y whose nearest code is `nearest` (ds_q8/functional.py
 // quantize_scaled): the entry below or above y, the upper one with probability equal to how far y lies
 // toward it, so that the state is right on average; the zero point of unsigned maps; NaN to 255.
