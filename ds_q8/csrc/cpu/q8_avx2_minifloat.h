@@ -25,6 +25,12 @@ struct Avx2Minifloat {
             bytes = _mm_loadl_epi64((const __m128i*)b);
         }
         const __m256i c = _mm256_cvtepu8_epi32(bytes);
+        if (!kSigned && _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(16), c))) == 0) {
+            // every code has a nonzero exponent field (nearly all second moments): its bits plus the base
+            const __m256 one = _mm256_castsi256_ps(
+                _mm256_add_epi32(_mm256_slli_epi32(c, 19), _mm256_set1_epi32((int)q8_mf_base(false))));
+            return _mm256_mul_ps(_mm256_mul_ps(one, _mm256_set1_ps(kMfInvTop)), absmax);
+        }
         __m256i mag = c, d = c;
         if (kSigned) {
             d = _mm256_sub_epi32(c, _mm256_set1_epi32(127));
@@ -54,10 +60,26 @@ struct Avx2Minifloat {
     template <bool kSigned, int kMode>
     static __m256i mf_encode8(__m256 z, __m256i bits, __m256i old) {
         const __m256i u = _mm256_castps_si256(z);
+        const __m256 limit = _mm256_set1_ps(q8_mf_sub_limit(kSigned));
+        // An unsigned map's values of 2^(1 - B) and up (nearly every second moment): their bits less the base
+        // are the fixed-point code, and they take neither the zero point nor the negative's 0.
+        if (!kSigned && _mm256_movemask_ps(_mm256_cmp_ps(z, limit, _CMP_GE_OQ)) == 0xFF) {
+            const __m256i fixed = _mm256_sub_epi32(u, _mm256_set1_epi32((int)q8_mf_base(false)));
+            __m256i add = _mm256_set1_epi32((int)kMfNearest);
+            if (kMode != Q8_ROUND_NEAREST) {
+                const __m256i r = _mm256_srli_epi32(bits, 32 - kMfFracBits);
+                if (kMode == Q8_ROUND_GUIDED_CODE) {
+                    const __m256i dist = _mm256_sub_epi32(old, _mm256_srli_epi32(fixed, kMfFracBits));
+                    add = _mm256_blendv_epi8(add, r, _mm256_cmpeq_epi32(_mm256_min_epu32(dist, _mm256_set1_epi32(1)), dist));
+                } else {
+                    add = r;
+                }
+            }
+            return _mm256_srli_epi32(_mm256_add_epi32(fixed, add), kMfFracBits);
+        }
         const __m256i ab = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
         const __m256i negative = _mm256_srai_epi32(u, 31);  // all ones for a negative value
         // q8_mf_fixed: the larger of the normal and the subnormal forms is the one of the value's range
-        const __m256 limit = _mm256_set1_ps(q8_mf_sub_limit(kSigned));
         const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(ab), limit)),
                                              _mm256_castps_si256(limit));
         const __m256i fixed = _mm256_max_epi32(_mm256_sub_epi32(ab, _mm256_set1_epi32((int)q8_mf_base(kSigned))), sub);

@@ -17,22 +17,6 @@
 namespace ds_q8 {
 namespace {
 
-std::vector<std::string> supported_isas() {
-    std::vector<std::string> out;
-    __builtin_cpu_init();
-#ifdef Q8_EMULATE_AVX512  // tests only: isa_avx512.cpp built on SIMDe (q8_avx512_emulation.h) runs anywhere
-    out.push_back("avx512");
-#else
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vbmi"))
-        out.push_back("avx512");
-#endif
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) out.push_back("avx2");
-    out.push_back("scalar");
-    return out;
-}
-
 void check_isa(const std::string& isa) {
     for (const auto& s : supported_isas())
         if (s == isa) return;

@@ -71,11 +71,13 @@ struct StepStatus {
     const char* missing;       // the hyperparameter name, for kMissingHyper
 };
 
-// Each instruction set provides these. No exceptions cross this boundary.
+// Each instruction set provides these. No exceptions cross this boundary. finite_<isa>: whether no
+// element of n values of `dtype` at x is NaN or Inf (the non-finite check of the gradients).
 #define Q8_DECLARE_ISA(isa)                                   \
     StepStatus step_##isa(const StepArgs* args, int count);                   \
     void quantize_##isa(const QuantizeArgs& args);            \
-    void dequantize_##isa(const QuantizeArgs& args);
+    void dequantize_##isa(const QuantizeArgs& args);          \
+    bool finite_##isa(const void* x, int64_t n, DType dtype);
 
 Q8_DECLARE_ISA(avx512)
 Q8_DECLARE_ISA(avx2)

@@ -36,6 +36,23 @@ void check_cpu_contiguous(const torch::Tensor& t, const char* name) {
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The instruction sets this CPU runs, best first.
+std::vector<std::string> supported_isas() {
+    std::vector<std::string> out;
+    __builtin_cpu_init();
+#ifdef Q8_EMULATE_AVX512  // tests only: isa_avx512.cpp built on SIMDe (q8_avx512_emulation.h) runs anywhere
+    out.push_back("avx512");
+#else
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vbmi"))
+        out.push_back("avx512");
+#endif
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) out.push_back("avx2");
+    out.push_back("scalar");
+    return out;
+}
+
 using binding::check_block_size;
 using binding::check_same_dtypes;
 

@@ -418,6 +418,26 @@ void dequantize_blocks(const QuantizeArgs& a) {
     }
 }
 
+// Whether none of n words has an all-ones exponent field: the largest of (x & exponent), which the loop
+// computes a vector at a time in this file's instruction set, is the exponent itself only for Inf or NaN.
+template <class W>
+bool words_finite(const W* x, int64_t n, W exponent) {
+    W top = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const W e = (W)(x[i] & exponent);
+        top = e > top ? e : top;
+    }
+    return top != exponent;
+}
+
+inline bool finite_values(const void* x, int64_t n, DType dtype) {
+    switch (dtype) {
+        case DType::kFloat32: return words_finite(static_cast<const uint32_t*>(x), n, 0x7F800000u);
+        case DType::kFloat16: return words_finite(static_cast<const uint16_t*>(x), n, (uint16_t)0x7C00);
+        default: return words_finite(static_cast<const uint16_t*>(x), n, (uint16_t)0x7F80);
+    }
+}
+
 template <class I, template <class, class> class F>
 void by_dtype(const QuantizeArgs& a) {
     switch (a.dtype) {
@@ -441,4 +461,5 @@ struct DequantizeOp { static void run(const QuantizeArgs& a) { dequantize_blocks
     StepStatus step_##isa(const StepArgs* a, int count) { return step_any_rule<Traits>(a, count); }    \
     void quantize_##isa(const QuantizeArgs& a) { by_dtype<Traits, QuantizeOp>(a); }                 \
     void dequantize_##isa(const QuantizeArgs& a) { by_dtype<Traits, DequantizeOp>(a); }             \
+    bool finite_##isa(const void* x, int64_t n, DType dtype) { return finite_values(x, n, dtype); }      \
     }

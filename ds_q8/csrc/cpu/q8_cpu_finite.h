@@ -11,14 +11,11 @@
 namespace ds_q8 {
 namespace {
 
-// True when no element of `x` has an all-ones exponent (Inf or NaN): one read of the words, no
-// temporary. torch's isfinite(g).all() writes and rereads a bool tensor a quarter of the size of an
-// fp32 gradient and costs a sizeable part of a memory-bound 8-bit step.
-template <class W>
-bool words_finite(const W* x, int64_t n, W exponent) {
-    int bad = 0;
-    for (int64_t i = 0; i < n; ++i) bad |= (W)(x[i] & exponent) == exponent;  // vectorizes
-    return bad == 0;
+// The best instruction set this CPU has reads the gradients (the check is a read of memory).
+using FiniteFn = bool (*)(const void*, int64_t, DType);
+FiniteFn best_finite() {
+    const std::string best = supported_isas().front();
+    return best == "avx512" ? finite_avx512 : best == "avx2" ? finite_avx2 : finite_scalar;
 }
 
 // 1 when no tensor holds NaN or Inf, 0 when one does; -1 (nothing read) when `lenient` and a tensor
@@ -48,18 +45,10 @@ int finite_check(const std::vector<torch::Tensor>& tensors, bool lenient) {
             pieces.push_back(Piece{static_cast<const char*>(t.data_ptr()) + s * width, std::min(kChunk, n - s), d});
     }
     const int64_t count = (int64_t)pieces.size();
+    static const FiniteFn finite = best_finite();
     int bad = 0;
 #pragma omp parallel for num_threads(at::get_num_threads()) schedule(static) reduction(| : bad)
-    for (int64_t c = 0; c < count; ++c) {
-        const Piece& q = pieces[c];
-        bool ok;
-        switch (q.dtype) {
-            case DType::kFloat32: ok = words_finite(static_cast<const uint32_t*>(q.x), q.n, 0x7F800000u); break;
-            case DType::kFloat16: ok = words_finite(static_cast<const uint16_t*>(q.x), q.n, (uint16_t)0x7C00); break;
-            default: ok = words_finite(static_cast<const uint16_t*>(q.x), q.n, (uint16_t)0x7F80); break;
-        }
-        bad |= ok ? 0 : 1;
-    }
+    for (int64_t c = 0; c < count; ++c) bad |= finite(pieces[c].x, pieces[c].n, pieces[c].dtype) ? 0 : 1;
     return bad == 0 ? 1 : 0;
 }
 

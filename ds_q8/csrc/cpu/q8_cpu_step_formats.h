@@ -21,6 +21,7 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
     const int64_t total = spans.total();
 #pragma omp parallel num_threads(args[0].num_threads)
     {
+        const Rule local_rule = rule;  // its fields stay in registers: the stores cannot alias a local
         int t = 0;
 #pragma omp for schedule(static)
         for (int64_t global = 0; global < total; ++global) {
@@ -28,18 +29,24 @@ void step_fp32_blocks(const StepArgs* args, int count, const Rule& rule) {
             const StepArgs& a = args[t];
             P* param = static_cast<P*>(a.param);
             const G* grad = static_cast<const G*>(a.grad);
+            float* states[K];
+            for (int k = 0; k < K; ++k) states[k] = a.states32[k];
             const int64_t start = (global - spans.first[t]) * kSpan;
             const int len = (int)q8_min(kSpan, a.numel - start);
-            for (int i = 0; i < len; i += W) {
-                const int cnt = (int)q8_min(W, len - i);
+            // a vector of W values, every lane live at compile time where kFull
+            auto one = [&]<bool kFull>(int i) {
+                const int cnt = kFull ? W : (int)q8_min(W, len - i);
                 V p = load_param<I>(param + start + i, cnt, a, start + i);
                 V g = I::load(grad + start + i, cnt);
                 V s[K];
-                for (int k = 0; k < K; ++k) s[k] = I::load(a.states32[k] + start + i, cnt);
-                rule(p, g, s);
+                for (int k = 0; k < K; ++k) s[k] = I::load(states[k] + start + i, cnt);
+                local_rule(p, g, s);
                 store_param<I>(param + start + i, p, cnt, a, start + i);
-                for (int k = 0; k < K; ++k) I::store(a.states32[k] + start + i, s[k], cnt);
-            }
+                for (int k = 0; k < K; ++k) I::store(states[k] + start + i, s[k], cnt);
+            };
+            int i = 0;
+            for (; i + W <= len; i += W) one.template operator()<true>(i);
+            if (i < len) one.template operator()<false>(i);
         }
     }
 }
