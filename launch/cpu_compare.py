@@ -92,18 +92,24 @@ class Kernel:
                               self.lookups, BLOCK, self.hyper, self.keys, self.index, self.stochastic_params, [3, 3])
 
 
-def tensors(n: int, dtype, seed: int):
-    """A parameter of ``n`` elements in ``dtype`` with its gradient, and 8-bit states for it."""
+def tensors(n: int, dtype, seed: int, warm: int = 4):
+    """A parameter of ``n`` elements in ``dtype`` with its gradient, and 8-bit states for it as training leaves
+    them: ``warm`` steps of AdamW8bitBlock on fresh Gaussian gradients (the codes of random states would
+    take every code with equal chance, which no state does; the kernels' fast paths follow real codes)."""
     import torch
 
-    from ds_q8 import functional as F
+    import ds_q8
 
     g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(n, generator=g).to(dtype)]
-    grads = [torch.randn(n, generator=g).mul_(1e-2).to(dtype)]
-    states = [[torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8) for _ in range(2)]]
-    absmax = [[torch.rand(-(-n // BLOCK), generator=g).to(F.ABSMAX_DTYPE) for _ in range(2)]]
-    return params, grads, states, absmax
+    p = torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+    opt = ds_q8.AdamW8bitBlock([p], lr=LR, weight_decay=WD, block_size=BLOCK, min_8bit_size=0)
+    for _ in range(warm):
+        p.grad = torch.randn(n, generator=g).mul_(1e-2).to(dtype)
+        opt.step()
+    st = opt.state[p]
+    states = [[st["state1"].view(-1).clone(), st["state2"].view(-1).clone()]]
+    absmax = [[st["absmax1"].view(-1).clone(), st["absmax2"].view(-1).clone()]]
+    return [p.detach().clone().view(-1)], [p.grad.clone().view(-1)], states, absmax
 
 
 def rows_for(n: int, isa: str, earlier, current, old_maps, new_maps, bf16: bool = False) -> List[dict]:

@@ -37,7 +37,7 @@ inline V256 q8_sign(V256 a) {  // torch.sign: +0 for +-0 and NaN (ordered compar
 
 struct Avx2 : PerVectorBlocks<Avx2>, Avx2Minifloat {
     static constexpr int W = 8;
-    static constexpr int kChunk = W;
+    static constexpr int kChunk = 4 * W;  // the step's unit: its per-chunk bookkeeping paid once per 32 values
     using V = V256;
 
     // Full vectors read/write memory directly; a partial one is staged through `buf`.
@@ -135,6 +135,31 @@ struct Avx2 : PerVectorBlocks<Avx2>, Avx2Minifloat {
         float m = 0.0f;
         for (int i = 0; i < 8; ++i) m = q8_absmax_step(m, b[i]);
         return m;
+    }
+
+    // absmax_reduce of `count` accumulators, 8 at a time by a tree (each holds the bits of |x|, NaN above
+    // every number): three levels of pairwise maxima that halve the lanes per accumulator and double the
+    // accumulators per vector, then one permute back to order.
+    static void absmax_reduce_many(const V* acc, int count, float* out) {
+        for (int b = 0; b < count; b += 8) {
+            __m256i v[8];
+            for (int i = 0; i < 8; ++i) v[i] = b + i < count ? _mm256_castps_si256(acc[b + i].v) : _mm256_setzero_si256();
+            __m256i w[4], x[2];
+            for (int i = 0; i < 4; ++i)  // 128-bit halves: accumulator 2i in the low lane, 2i+1 in the high
+                w[i] = _mm256_max_epi32(_mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x20),
+                                        _mm256_permute2x128_si256(v[2 * i], v[2 * i + 1], 0x31));
+            for (int i = 0; i < 2; ++i)  // two values of each of four accumulators
+                x[i] = _mm256_max_epi32(_mm256_unpacklo_epi64(w[2 * i], w[2 * i + 1]),
+                                        _mm256_unpackhi_epi64(w[2 * i], w[2 * i + 1]));
+            const __m256 lo = _mm256_shuffle_ps(_mm256_castsi256_ps(x[0]), _mm256_castsi256_ps(x[1]), _MM_SHUFFLE(2, 0, 2, 0));
+            const __m256 hi = _mm256_shuffle_ps(_mm256_castsi256_ps(x[0]), _mm256_castsi256_ps(x[1]), _MM_SHUFFLE(3, 1, 3, 1));
+            __m256i z = _mm256_max_epi32(_mm256_castps_si256(lo), _mm256_castps_si256(hi));
+            // lane j holds accumulator {0, 2, 4, 6, 1, 3, 5, 7}[j]: back to order
+            z = _mm256_permutevar8x32_epi32(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            alignas(32) uint32_t bits[8];
+            _mm256_store_si256((__m256i*)bits, z);
+            for (int i = 0; i < 8 && b + i < count; ++i) out[b + i] = bits[i] > 0x7F800000u ? NAN : q8_float(bits[i]);
+        }
     }
 
     // The low byte of each of 8 int32 lanes to out[0..cnt).

@@ -15,7 +15,7 @@ namespace {
 struct Avx2Minifloat {
     // 8 codes (cnt of them read, the rest code 0) as their map entries times `absmax` (q8_mf_value).
     template <bool kSigned>
-    static __m256 mf_decode8(const uint8_t* p, int cnt, __m256 absmax) {
+    __attribute__((always_inline)) static inline __m256 mf_decode8(const uint8_t* p, int cnt, __m256 absmax) {
         __m128i bytes;
         if (cnt >= 8) {
             bytes = _mm_loadl_epi64((const __m128i*)p);
@@ -48,17 +48,20 @@ struct Avx2Minifloat {
         return _mm256_mul_ps(v, absmax);
     }
 
+    // A chunk of 32 codes (cnt of them read) into 4 vectors.
     template <class V>
     __attribute__((always_inline)) static inline void mf_dequant_chunk(V* out, const uint8_t* codes, int cnt, bool is_signed, float absmax) {
         const __m256 a = _mm256_set1_ps(absmax);
-        out[0] = is_signed ? mf_decode8<true>(codes, cnt, a) : mf_decode8<false>(codes, cnt, a);
+        for (int q = 0; q < 4 && 8 * q < cnt; ++q)
+            out[q] = is_signed ? mf_decode8<true>(codes + 8 * q, cnt - 8 * q, a)
+                               : mf_decode8<false>(codes + 8 * q, cnt - 8 * q, a);
     }
 
     // The codes of 8 values z (times q8_mf_scale already), finite, as int32 lanes (q8_mf_code) and not yet
     // clamped to a byte (pack_codes saturates): random bits `bits` (kMode not nearest), old codes as lanes
     // (guided).
     template <bool kSigned, int kMode>
-    static __m256i mf_encode8(__m256 z, __m256i bits, __m256i old) {
+    __attribute__((always_inline)) static inline __m256i mf_encode8(__m256 z, __m256i bits, __m256i old) {
         const __m256i u = _mm256_castps_si256(z);
         const __m256 limit = _mm256_set1_ps(q8_mf_sub_limit(kSigned));
         // An unsigned map's values of 2^(1 - B) and up (nearly every second moment): their bits less the base
@@ -114,48 +117,63 @@ struct Avx2Minifloat {
         return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     }
 
-    // Codes for `len` values x (a scratch buffer of whole vectors) in blocks of bs, block j scaled by
-    // q8_mf_scale(absmax[j]); the old codes are those in `out`; random bits (key + index) * mul, x[0]'s index
-    // in its parameter `first`: a Weyl sequence, each vector's the one before plus 8 * mul. A block that is
-    // not finite (its maximum Inf or NaN) is coded one value at a time (q8_mf_code).
+    // The codes of one block's `len` values x (a scratch buffer of whole vectors) scaled by s =
+    // q8_mf_scale(its maximum), finite; the old codes are those in `out`; random bits (key + index) * mul,
+    // x[0]'s index in its parameter `first`: a Weyl sequence, each vector's the one before plus 8 * mul.
+    template <bool kSigned, int kMode>
+    __attribute__((always_inline)) static inline void mf_encode_block(uint8_t* out, const float* x, int len, float s,
+                                                                     uint32_t key, uint32_t mul, uint32_t first) {
+        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256i step = _mm256_set1_epi32((int)(8u * mul));
+        const __m256 vs = _mm256_set1_ps(s);
+        __m256i bits = _mm256_mullo_epi32(_mm256_add_epi32(iota, _mm256_set1_epi32((int)(key + first))),
+                                          _mm256_set1_epi32((int)mul));
+        for (int i = 0; i < len; i += 32) {
+            const int cnt = len - i < 32 ? len - i : 32;
+            alignas(32) uint8_t old_bytes[32];
+            const uint8_t* old = out + i;
+            if (kMode == Q8_ROUND_GUIDED_CODE && cnt < 32) {
+                memcpy(old_bytes, out + i, (size_t)cnt);
+                old = old_bytes;
+            }
+            __m256i c[4];
+            for (int q = 0; q < 4; ++q) {
+                const __m256 z = _mm256_mul_ps(_mm256_load_ps(x + i + 8 * q), vs);
+                const __m256i o = kMode == Q8_ROUND_GUIDED_CODE
+                                      ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(old + 8 * q)))
+                                      : _mm256_setzero_si256();
+                c[q] = mf_encode8<kSigned, kMode>(z, bits, o);
+                bits = _mm256_add_epi32(bits, step);
+            }
+            const __m256i bytes = pack_codes(c);
+            if (cnt == 32) {
+                _mm256_storeu_si256((__m256i*)(out + i), bytes);
+            } else {
+                alignas(32) uint8_t b[32];
+                _mm256_store_si256((__m256i*)b, bytes);
+                memcpy(out + i, b, (size_t)cnt);
+            }
+        }
+    }
+
+    // The same for any block: one that is not finite (its maximum Inf or NaN) is coded one value at a time.
+    template <bool kSigned, int kMode>
+    __attribute__((always_inline)) static inline void mf_code_block(uint8_t* out, const float* x, int len,
+                                                                   float absmax, uint32_t key, uint32_t mul,
+                                                                   uint32_t first) {
+        const float s = q8_mf_scale(absmax);
+        if (absmax < INFINITY) return mf_encode_block<kSigned, kMode>(out, x, len, s, key, mul, first);
+        for (int i = 0; i < len; ++i)
+            out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * s, kMode, (key + first + (uint32_t)i) * mul, out[i]);
+    }
+
+    // Codes for `len` values x in blocks of bs, block j with stored maximum absmax[j] (mf_code_block each).
     template <bool kSigned, int kMode>
     static void mf_requantize_as(uint8_t* out, const float* x, int len, const float* absmax, int bs, uint32_t key,
                                  uint32_t mul, uint32_t first) {
-        const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        const __m256i vmul = _mm256_set1_epi32((int)mul), step = _mm256_set1_epi32((int)(8u * mul));
-        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
-            const int end = len - b0 < bs ? len : b0 + bs;
-            const float s = q8_mf_scale(absmax[j]);
-            if (!(absmax[j] < INFINITY)) {
-                for (int i = b0; i < end; ++i)
-                    out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * s, kMode, (key + first + (uint32_t)i) * mul, out[i]);
-                continue;
-            }
-            const __m256 vs = _mm256_set1_ps(s);
-            __m256i bits = _mm256_mullo_epi32(_mm256_add_epi32(iota, _mm256_set1_epi32((int)(key + first + (uint32_t)b0))), vmul);
-            for (int i = b0; i < end; i += 32) {
-                const int cnt = end - i < 32 ? end - i : 32;
-                alignas(32) uint8_t old_bytes[32];
-                if (kMode == Q8_ROUND_GUIDED_CODE) memcpy(old_bytes, out + i, (size_t)cnt);
-                __m256i c[4];
-                for (int q = 0; q < 4; ++q) {
-                    const __m256 z = _mm256_mul_ps(_mm256_load_ps(x + i + 8 * q), vs);
-                    const __m256i old = kMode == Q8_ROUND_GUIDED_CODE
-                                            ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(old_bytes + 8 * q)))
-                                            : _mm256_setzero_si256();
-                    c[q] = mf_encode8<kSigned, kMode>(z, bits, old);
-                    bits = _mm256_add_epi32(bits, step);
-                }
-                const __m256i bytes = pack_codes(c);
-                if (cnt == 32) {
-                    _mm256_storeu_si256((__m256i*)(out + i), bytes);
-                } else {
-                    alignas(32) uint8_t b[32];
-                    _mm256_store_si256((__m256i*)b, bytes);
-                    memcpy(out + i, b, (size_t)cnt);
-                }
-            }
-        }
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j)
+            mf_code_block<kSigned, kMode>(out + b0, x + b0, (len - b0 < bs ? len - b0 : bs), absmax[j], key, mul,
+                                          first + (uint32_t)b0);
     }
 
     static void mf_requantize(uint8_t* out, const float* x, int len, const float* absmax, int bs, bool is_signed,

@@ -13,7 +13,7 @@ namespace {
 struct Avx512Minifloat {
     // 16 codes (bytes) as their map entries times `absmax` (q8_mf_value).
     template <bool kSigned>
-    static __m512 mf_decode16(__m128i bytes, __m512 absmax) {
+    __attribute__((always_inline)) static inline __m512 mf_decode16(__m128i bytes, __m512 absmax) {
         const __m512i c = _mm512_cvtepu8_epi32(bytes);
         __m512i mag = c, d = c;
         if (kSigned) {
@@ -23,10 +23,10 @@ struct Avx512Minifloat {
         const __m512 one = _mm512_castsi512_ps(
             _mm512_add_epi32(_mm512_slli_epi32(mag, 19), _mm512_set1_epi32((int)q8_mf_base(kSigned))));
         const __mmask16 sub = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(16), mag);
-        // exponent field 0: (one - 2^-B) * 2 / 1.9375, else one / 1.9375, each one rounding
-        const __m512 units = _mm512_mask_sub_ps(one, sub, one, _mm512_set1_ps(q8_mf_sub_limit(kSigned) * 0.5f));
-        const __m512 inv = _mm512_mask_blend_ps(sub, _mm512_set1_ps(kMfInvTop), _mm512_set1_ps(kMfInvTop * 2.0f));
-        __m512 v = _mm512_mul_ps(units, inv);
+        // exponent field 0: (one - 2^-B) * 2, that is one * 2 - 2^(1 - B) (exact, so one fused operation gives
+        // it), else one; then / 1.9375, one rounding
+        const __m512 units = _mm512_mask_fmsub_ps(one, sub, _mm512_set1_ps(2.0f), _mm512_set1_ps(q8_mf_sub_limit(kSigned)));
+        __m512 v = _mm512_mul_ps(units, _mm512_set1_ps(kMfInvTop));
         if (kSigned)  // v | (d & sign bit): the sign of c - 127
             v = _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(v), d,
                                                               _mm512_set1_epi32((int)0x80000000u), 0xF8));
@@ -62,7 +62,7 @@ struct Avx512Minifloat {
     // clamped to a byte (pack_codes saturates): random bits `bits` (kMode not nearest), old codes as lanes
     // (guided).
     template <bool kSigned, int kMode>
-    static __m512i mf_encode16(__m512 z, __m512i bits, const uint8_t* old_bytes) {
+    __attribute__((always_inline)) static inline __m512i mf_encode16(__m512 z, __m512i bits, const uint8_t* old_bytes) {
         const __m512i u = _mm512_castps_si512(z);
         const uint32_t base = q8_mf_base(kSigned), base_code = base >> kMfFracBits;
         const __m512 limit = _mm512_set1_ps(q8_mf_sub_limit(kSigned));
@@ -122,50 +122,54 @@ struct Avx512Minifloat {
                                       _mm512_set1_epi32(1));
     }
 
-    // Codes for `len` values x (a scratch buffer of whole vectors) in blocks of bs, block j scaled by
-    // q8_mf_scale(absmax[j]); the old codes are those in `out`; random bits (key + index) * mul, x[0]'s index
-    // in its parameter `first`: a Weyl sequence, each vector's the one before plus 16 * mul. A block that is
-    // not finite (its maximum Inf or NaN) is coded one value at a time (q8_mf_code).
+    // The codes of one block's `len` values x (a scratch buffer of whole vectors) scaled by s =
+    // q8_mf_scale(its maximum), finite; the old codes are those in `out`; random bits (key + index) * mul,
+    // x[0]'s index in its parameter `first`: a Weyl sequence, each vector's the one before plus 16 * mul.
+    template <bool kSigned, int kMode>
+    __attribute__((always_inline)) static inline void mf_encode_block(uint8_t* out, const float* x, int len, float s,
+                                                                     uint32_t key, uint32_t mul, uint32_t first) {
+        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32((int)(16u * mul));
+        const __m512 vs = _mm512_set1_ps(s);
+        __m512i bits = _mm512_mullo_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32((int)(key + first))),
+                                          _mm512_set1_epi32((int)mul));
+        for (int i = 0; i < len; i += 64) {
+            const int cnt = len - i;
+            const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
+            alignas(16) uint8_t tail[64];  // the old codes of a last, partial chunk, read whole from here
+            const uint8_t* old = out + i;
+            if (kMode == Q8_ROUND_GUIDED_CODE && cnt < 64) {
+                _mm512_storeu_si512(tail, _mm512_maskz_loadu_epi8(live, out + i));
+                old = tail;
+            }
+            __m512i c[4];
+            for (int q = 0; q < 4; ++q) {
+                const __m512 z = _mm512_mul_ps(_mm512_load_ps(x + i + 16 * q), vs);
+                c[q] = mf_encode16<kSigned, kMode>(z, bits, old + 16 * q);
+                bits = _mm512_add_epi32(bits, step);
+            }
+            _mm512_mask_storeu_epi8(out + i, live, pack_codes(c));
+        }
+    }
+
+    // The same for any block: one that is not finite (its maximum Inf or NaN) is coded one value at a time.
+    template <bool kSigned, int kMode>
+    __attribute__((always_inline)) static inline void mf_code_block(uint8_t* out, const float* x, int len,
+                                                                   float absmax, uint32_t key, uint32_t mul,
+                                                                   uint32_t first) {
+        const float s = q8_mf_scale(absmax);
+        if (absmax < INFINITY) return mf_encode_block<kSigned, kMode>(out, x, len, s, key, mul, first);
+        for (int i = 0; i < len; ++i)
+            out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * s, kMode, (key + first + (uint32_t)i) * mul, out[i]);
+    }
+
+    // Codes for `len` values x in blocks of bs, block j with stored maximum absmax[j] (mf_code_block each).
     template <bool kSigned, int kMode>
     static void mf_requantize_as(uint8_t* out, const float* x, int len, const float* absmax, int bs, uint32_t key,
                                  uint32_t mul, uint32_t first) {
-        const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-        const __m512i vmul = _mm512_set1_epi32((int)mul), step = _mm512_set1_epi32((int)(16u * mul));
-        const int nb = (len + bs - 1) / bs;
-        alignas(64) float scales[4096 / Q8_MIN_BLOCK];
-        for (int j = 0; j < nb; j += 16) {  // q8_mf_scale of each block, 16 divisions at a time
-            const __mmask16 m = nb - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (nb - j)) - 1u);
-            const __m512 a = _mm512_maskz_loadu_ps(m, absmax + j);
-            const __mmask16 pos = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
-            _mm512_mask_storeu_ps(scales + j, m, _mm512_maskz_div_ps(pos, _mm512_set1_ps(kMfTop), a));
-        }
-        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j) {
-            const int end = len - b0 < bs ? len : b0 + bs;
-            if (!(absmax[j] < INFINITY)) {
-                for (int i = b0; i < end; ++i)
-                    out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * scales[j], kMode, (key + first + (uint32_t)i) * mul, out[i]);
-                continue;
-            }
-            const __m512 vs = _mm512_set1_ps(scales[j]);
-            __m512i bits = _mm512_mullo_epi32(_mm512_add_epi32(iota, _mm512_set1_epi32((int)(key + first + (uint32_t)b0))), vmul);
-            for (int i = b0; i < end; i += 64) {
-                const int cnt = end - i;
-                const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
-                alignas(16) uint8_t tail[64];  // the old codes of a last, partial chunk, read whole from here
-                const uint8_t* old = out + i;
-                if (kMode == Q8_ROUND_GUIDED_CODE && cnt < 64) {
-                    _mm512_storeu_si512(tail, _mm512_maskz_loadu_epi8(live, out + i));
-                    old = tail;
-                }
-                __m512i c[4];
-                for (int q = 0; q < 4; ++q) {
-                    const __m512 z = _mm512_mul_ps(_mm512_load_ps(x + i + 16 * q), vs);
-                    c[q] = mf_encode16<kSigned, kMode>(z, bits, old + 16 * q);
-                    bits = _mm512_add_epi32(bits, step);
-                }
-                _mm512_mask_storeu_epi8(out + i, live, pack_codes(c));
-            }
-        }
+        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j)
+            mf_code_block<kSigned, kMode>(out + b0, x + b0, (len - b0 < bs ? len - b0 : bs), absmax[j], key, mul,
+                                          first + (uint32_t)b0);
     }
 
     // Four vectors of codes < 256 to 64 bytes in memory order (the packs work per 128-bit lane; the dword

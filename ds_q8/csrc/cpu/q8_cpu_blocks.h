@@ -37,10 +37,12 @@ struct PerVectorBlocks {
     using Table = const float*;
     static Table prepare(const float* code) { return code; }
 
-    // kChunk (= W) is declared by Self: it is incomplete here.
+    // kChunk (a multiple of W) is declared by Self: it is incomplete here.
     template <class V>
     static void dequant_chunk(V* out, const uint8_t* codes, int cnt, Table code, float absmax) {
-        out[0] = Self::dequant(codes, cnt < Self::W ? cnt : Self::W, code, absmax);
+        constexpr int W = Self::W;
+        for (int q = 0; q < Self::kChunk / W && q * W < cnt; ++q)
+            out[q] = Self::dequant(codes + q * W, cnt - q * W < W ? cnt - q * W : W, code, absmax);
     }
 
     static void dequant_block(float* out, const uint8_t* codes, int len, Table code, float absmax) {
