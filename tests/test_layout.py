@@ -76,7 +76,7 @@ def test_flat_state_dict_roundtrip_and_refusals():
     opt, flat = opts[0], flats[0]
     sd = opt.state_dict()
     desc = sd[STATE_DICT_MARKER]["layouts"][0]
-    assert len(desc["segments"]) == len(SIZES) and sd[STATE_DICT_MARKER]["format"] == 3
+    assert len(desc["segments"]) == len(SIZES) and sd[STATE_DICT_MARKER]["format"] == 4
     assert torch.is_tensor(sd["state"][0]["step"])
     fresh = ds_q8.AdamW8bitBlock([flat], **dict(KW, lr=1e-2))
     fresh.register_layout(flat, opt.tensors.layouts[flat])

@@ -256,7 +256,7 @@ def test_existing_optimizers_write_the_marker_they_always_wrote():
     p = nn.Parameter(torch.randn(64, 80))
     opt = ds_q8.AdamW8bitBlock([p])
     _train(opt, [p], 1, 0)
-    assert set(opt.state_dict()["ds_q8"]) == {"optimizer", "format", "state_names", "state_signed", "layouts"}
+    assert set(opt.state_dict()["ds_q8"]) == {"optimizer", "format", "state_names", "state_signed", "layouts", "codecs"}
 
 
 # ---------------------------------------------------------------------------- partitions (threads as ranks)

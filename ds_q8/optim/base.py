@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from . import nonfinite as NF
-from . import state_io, telemetry
+from . import codec_versions, state_io, telemetry
 from . import step as S
 from .checks import check_optimizer_kwargs
 from .group_options import OPTIONS, check_common_group, check_four_bit
@@ -317,26 +317,31 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         self.settle()
         sd = super().state_dict()
-        layouts, tensor_states, index = {}, {}, 0
+        layouts, tensor_states, codecs, index = {}, {}, set(), 0
         head = type(self).rule_when_built()
         for group in self.param_groups:
             rule = self.rule_for(group)
             for p in group["params"]:
                 if p in self.state:
-                    layouts[index] = self.layout_of(p, group).describe()
+                    layout = self.layout_of(p, group)
+                    layouts[index] = layout.describe()
+                    if is_8bit(self.state[p]):  # the codecs of the codes saved, so a loader knows what they mean
+                        codecs.add(codec_versions.codec_name(group["quantization"], layout.state_bits))
                     if rule.state_names != head.state_names or rule.state_signed != head.state_signed:
                         tensor_states[index] = state_io.tensor_states(rule.state_names, rule.state_signed)
                 index += 1
         # entries whose group runs the class's rule are described by the marker's header; only the others
         # name their states (so an optimizer with one rule writes the marker it always wrote)
         sd[state_io.STATE_DICT_MARKER] = state_io.marker(type(self).__name__, head.state_names, head.state_signed,
-                                                         layouts, tensor_states)
+                                                         layouts, tensor_states, codec_versions.marker_codecs(codecs))
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load like torch, but keep every state tensor in the dtype it was saved with, check
         everything before replacing anything, and refuse keys it does not know (``state_io.py``)."""
         state_dict = state_io.upgraded(state_dict, self.param_groups, type(self).rule_when_built())
+        # codes in today's codec versions (a format-3 checkpoint decided over every rank's share of it)
+        state_dict = codec_versions.current(state_dict, reduce=self._sum_over_ranks())
         plans = state_io.plan_load(self, state_dict)
         # nothing has changed so far: now replace
         self._plan = None
@@ -352,7 +357,13 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """A copy of a saved ``state_dict`` with every state as fp32 under torch's names (``universal``:
         under the names DeepSpeed universal checkpoints expect). Needs no parameters: the state names,
         maps and layouts come from the saved marker. The values are the dequantized codes, exactly."""
-        return state_io.export_fp32(state_dict, cls.rule_when_built(), universal)
+        return state_io.export_fp32(codec_versions.current(state_dict), cls.rule_when_built(), universal)
+
+    def _sum_over_ranks(self) -> Optional[Callable[[torch.Tensor], None]]:
+        """An in-place all-reduce sum over the ranks that share this optimizer's ZeRO partitions, or None
+        without partitions (every rank of a ZeRO run registers its partitions' layouts with their comm)."""
+        comm = next((lay.comm for lay in self.tensors.layouts.values() if lay.comm is not None), None)
+        return None if comm is None else comm.all_reduce_sum
 
     def _adopt_fp32_state(self, p: torch.Tensor, state: dict, collective: bool = False,
                           group: Optional[dict] = None) -> bool:

@@ -9,10 +9,12 @@ read that marker, never the class, so an instance-level layout (RMSprop with mom
 cast uint8 codes to float), checks everything before replacing anything, and refuses keys it does
 not know. State saved as fp32 under torch's or the universal checkpoint's names is requantized.
 
-Formats: 3 (since 0.2.0) stores block maxima as bfloat16 with 64-element blocks by default; 2 (0.1.x)
-stored float32 maxima, 2048-element blocks by default. A format-2 state_dict still loads: each 8-bit
-entry is dequantized exactly with its saved layout and requantized into the loading optimizer's layout
-and block size (one warning says so), since the two formats cannot share codes.
+Formats: 4 names the map and codec version of the codes (``codec_versions.py``); 3 (since 0.2.0)
+stores block maxima as bfloat16 with 64-element blocks by default and names no codec (``codec_versions``
+reads its codes, converts or refuses them); 2 (0.1.x) stored float32 maxima, 2048-element blocks by
+default. A format-2 state_dict still loads: each 8-bit entry is dequantized exactly with its saved layout
+and requantized into the loading optimizer's layout and block size (one warning says so), since the two
+formats cannot share codes.
 """
 from __future__ import annotations
 
@@ -35,10 +37,12 @@ UNIVERSAL_STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 #: key of the marker that ``state_dict`` adds so offline tools know which optimizer wrote it
 STATE_DICT_MARKER = "ds_q8"
-#: version of the state layout written in the marker
-STATE_FORMAT = 3
-#: formats this version reads (2: float32 block maxima, requantized on load)
-READABLE_FORMATS = (2, 3)
+#: key of the marker's codecs: the map and version of each codec the saved codes use (``codec_versions.py``)
+CODECS_KEY = "codecs"
+#: version of the state layout written in the marker (4: the marker names each codec's version)
+STATE_FORMAT = 4
+#: formats this version reads (2: float32 block maxima, requantized on load; 3: codecs decided from the codes)
+READABLE_FORMATS = (2, 3, 4)
 
 
 def universal_names_for(state_names) -> tuple:
@@ -53,12 +57,14 @@ def universal_names_for(state_names) -> tuple:
     return UNIVERSAL_STATE_NAMES[:k]
 
 
-def marker(optimizer: str, state_names, state_signed, layouts: dict, tensor_states: Optional[dict] = None) -> dict:
+def marker(optimizer: str, state_names, state_signed, layouts: dict, tensor_states: Optional[dict] = None,
+           codecs: Optional[dict] = None) -> dict:
     """The marker; ``tensor_states`` (entry -> :func:`tensor_states`) only for the entries whose group
     runs another rule than the optimizer's class rule (Muon's matrices beside its AdamW). Without such
-    entries the key is absent, so an optimizer with one rule writes exactly what it always wrote."""
+    entries the key is absent, so an optimizer with one rule writes exactly what it always wrote.
+    ``codecs``: ``codec_versions.marker_codecs`` of the codecs the saved codes use."""
     out = {"optimizer": optimizer, "format": STATE_FORMAT, "state_names": list(state_names),
-           "state_signed": list(state_signed), "layouts": layouts}
+           "state_signed": list(state_signed), "layouts": layouts, CODECS_KEY: dict(codecs or {})}
     if tensor_states:
         out["tensor_states"] = tensor_states
     return out
@@ -158,7 +164,7 @@ def upgraded(state_dict: dict, live_groups: Sequence[dict], rule: Optional[Rule]
     if len(groups) == len(live_groups):
         for saved, live in zip(groups, live_groups):
             saved["block_size"] = live["block_size"]
-    new_mark = dict(mark, format=STATE_FORMAT, layouts={})
+    new_mark = dict(mark, format=STATE_FORMAT, layouts={}, **{CODECS_KEY: {}})  # fp32 states: no codes
     warnings.warn("ds_q8: this checkpoint was written in state format 2 (ds_q8 0.1: float32 block maxima, "
                   f"block_size {sorted({g.get('block_size') for g in state_dict['param_groups']}, key=str)}); its "
                   "states were dequantized exactly and requantized into this optimizer's format (bfloat16 maxima, "
@@ -351,7 +357,8 @@ def restore_codes(opt, p: torch.Tensor, saved: dict, corrected: bool) -> None:
         qs.entry[CORRECTION_KEY] = corr.to(p.device)
 
 
-__all__ = ["STATE_DICT_MARKER", "STATE_FORMAT", "READABLE_FORMATS", "upgraded", "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
+__all__ = ["STATE_DICT_MARKER", "CODECS_KEY", "STATE_FORMAT", "READABLE_FORMATS", "upgraded",
+           "UNIVERSAL_STATE_NAMES", "universal_names_for", "marker",
            "tensor_states", "states_of_entry",
            "fp32_names_in", "export_fp32", "plan_load", "restored_entry", "adopt_fp32", "adopt_loaded",
            "adopt_collectively", "restore_codes"]
