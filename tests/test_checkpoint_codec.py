@@ -8,9 +8,14 @@ code (tests/data/old_state, with the script that wrote them):
 * a file whose codes do not decide the layout is refused with the documented error, nothing changed, and
   loads once the layout is named;
 * format 4 names its codecs and round-trips codes bit for bit; an unknown codec or version is refused by name;
-* export_fp32_state_dict decodes as the loader does.
+* the offline tools (export_fp32_state_dict, to-fp32 and to-universal of a DeepSpeed checkpoint) decode
+  and stamp the same; a DeepSpeed engine resumes the old ZeRO-2 checkpoints (slow).
 """
 import copy
+import json
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -20,12 +25,15 @@ from torch import nn
 
 import ds_q8
 from ds_q8 import functional as F
+from ds_q8.integration import universal
 from ds_q8.optim import codec_versions as CV
 from ds_q8.optim.state_keys import absmax_key, codes_key
 
 DATA = Path(__file__).resolve().parent / "data" / "old_state"
+SCRIPTS = Path(__file__).resolve().parent / "ds_scripts"
 NEW, OLD = "047c763", "4c6c1cd"  # one-zero and two-zero minifloat layouts
 MINIFLOAT_CASES = ("adamw", "lion", "ademamix")
+DS_OPTIM = "ds/step4/zero_pp_rank_0_mp_rank_00_optim_states.pt"
 # one-zero file, two-zero file: what the loader's warning says it read
 LAYOUT_SAID = {NEW: "read as the one-zero layout", OLD: "read as the two-zero layout of commit 4c6c1cd"}
 
@@ -305,3 +313,89 @@ def test_the_evidence_adds_over_ranks():
     assert ev.summed(lambda t: t.mul_(2)) == ev + ev
     versions, why = CV.versions_of(sd, reduce=lambda t: t.mul_(2))
     assert versions["minifloat"] == 2 and f"{2 * ev.codes} codes" in why
+
+
+# ---------------------------------------------------------------------------- DeepSpeed checkpoints, offline
+def _ds_reference(commit):
+    return torch.load(DATA / commit / "ds" / "ds.ref.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("commit", [NEW, OLD])
+def test_to_fp32_of_an_old_deepspeed_checkpoint(commit, tmp_path):
+    out = tmp_path / "fp32"
+    with pytest.warns(RuntimeWarning, match=LAYOUT_SAID[commit]):
+        universal.to_fp32_checkpoint(str(DATA / commit / "ds" / "step4"), str(out))
+    rank = torch.load(out / Path(DS_OPTIM).name, map_location="cpu", weights_only=False)
+    inner = rank["optimizer_state_dict"]["base_optimizer_state"]
+    assert inner["ds_q8"]["format"] == 4
+    ref = _ds_reference(commit)
+    for pid, want in enumerate(ref["decoded"]):
+        for name, w in want.items():
+            torch.testing.assert_close(inner["state"][pid][name], w, rtol=2.0 ** -22, atol=0.0)
+
+
+@pytest.mark.parametrize("commit", [NEW, OLD])
+def test_to_universal_stamps_current_codes(commit, tmp_path):
+    """The parameter files of the universal route carry codes in the current codec version and say so;
+    a file that names no codec (converted before format 4) is decided over the folder, and an unknown
+    version is refused by name."""
+    codes = {}
+    with pytest.warns(RuntimeWarning, match=LAYOUT_SAID[commit]):
+        universal.to_fp32_checkpoint(str(DATA / commit / "ds" / "step4"), str(tmp_path / "fp32"), codes)
+    assert set(codes) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # the model's parameters, whole
+    assert not codes.pop("2.bias").eight_bit  # under min_8bit_size: fp32 values, no codec
+    folder = tmp_path / "uni"
+    (folder / universal.CODES_FOLDER).mkdir(parents=True)
+    for name, entry in codes.items():
+        payload = entry.payload()
+        assert payload[universal.CODEC_KEY] == {"name": "minifloat", "version": 2}
+        torch.save(payload, folder / universal.CODES_FOLDER / f"{name}.pt")
+    # today's optimizer over the parameters, each its own segment, reads them back
+    params = {name: nn.Parameter(torch.zeros(e.numel)) for name, e in codes.items()}
+    opt = ds_q8.AdamW8bitBlock(list(params.values()), min_8bit_size=16)
+    group = opt.param_groups[0]
+    segs = [ds_q8.optim.layout.StateLayout.for_parameter(p, True, 64, name=n).segments[0] for n, p in params.items()]
+    got = universal._saved_state(str(folder), segs, group, opt, {})
+    assert [g[universal.CODEC_KEY]["version"] for g in got] == [2] * len(got)
+    current = [torch.cat([g["codes"][0] for g in got])]
+
+    # the same files as a universal checkpoint converted before format 4 wrote them: no codec, the layout's codes
+    for name, entry in codes.items():
+        payload = entry.payload()
+        del payload[universal.CODEC_KEY]
+        if commit == OLD:  # back to the two-zero layout: 1.0 at 255 (the one zero stands for the +0 of 128)
+            c = payload["codes"][0]
+            payload["codes"][0] = torch.where(c >= 127, c + 1, c).to(torch.uint8)
+        torch.save(payload, folder / universal.CODES_FOLDER / f"{name}.pt")
+    with pytest.warns(RuntimeWarning, match="were read as " + LAYOUT_SAID[commit].replace("read as ", "")):
+        got = universal._saved_state(str(folder), segs, group, opt, {})
+    assert torch.equal(torch.cat([g["codes"][0] for g in got]), current[0])
+
+    entry = next(iter(codes.values())).payload()
+    entry[universal.CODEC_KEY]["version"] = 5
+    torch.save(entry, folder / universal.CODES_FOLDER / f"{next(iter(codes))}.pt")
+    with pytest.raises(ValueError, match="'minifloat' codes are of codec version 5"):
+        universal._saved_state(str(folder), segs, group, opt, {})
+
+
+# ---------------------------------------------------------------------------- DeepSpeed checkpoints, resumed
+@pytest.mark.slow
+def test_a_deepspeed_engine_resumes_the_old_zero2_checkpoints(tmp_path):
+    from helpers.ds_launch import env, free_port
+
+    e = dict(env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    work = tmp_path / "data"
+    shutil.copytree(DATA, work / "data" / "old_state")  # DeepSpeed may write beside a checkpoint it loads
+    script = work / "ds_scripts" / "old_state_resume.py"
+    script.parent.mkdir()
+    shutil.copy(SCRIPTS / "old_state_resume.py", script)
+    proc = subprocess.run([sys.executable, str(script), NEW, OLD], env=e, capture_output=True, text=True,
+                          timeout=600, cwd=tmp_path)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(line[-1][len("RESULT "):])
+    for commit in (NEW, OLD):
+        r = out[commit]
+        assert r["worst_rel"] <= 2.0 ** -22, r
+        assert r["steps"] == [6] and all(x == x for x in r["losses"]) and r["losses"][1] < r["losses"][0]
+        assert len(r["warnings"]) == 1 and LAYOUT_SAID[commit] in r["warnings"][0]

@@ -25,6 +25,7 @@ import glob
 import os
 import re
 import shutil
+import warnings
 from argparse import Namespace
 from typing import Dict, List, Optional
 
@@ -34,7 +35,9 @@ from .. import functional as F
 from ..optim.qstate import QuantizedState
 from ..optim.state_keys import CORRECTION_KEY, has_storage
 from ..optim.tensor_states import state_bits_of
-from ..optim.state_io import STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry, universal_names_for
+from ..optim import codec_versions as CV
+from ..optim.state_io import (STATE_DICT_MARKER, STATE_FORMAT, UNIVERSAL_STATE_NAMES, states_of_entry,
+                              universal_names_for)
 from .lookup import checkpoint_folder, ds_q8_optimizer, optimizer_class
 
 _OPTIM_SUFFIX = "_optim_states.pt"
@@ -43,6 +46,9 @@ _OUTER = "optimizer_state_dict"
 _INNER_KEYS = ("base_optimizer_state", "optimizer_state_dict")
 #: folder of per-parameter 8-bit state inside a universal checkpoint
 CODES_FOLDER = "ds_q8"
+#: key of a parameter file's codec, ``{"name", "version"}`` (``optim/codec_versions.py``); files written before
+#: state format 4 have none
+CODEC_KEY = "codec"
 
 
 def _find_optimizer_state(rank_sd: dict, path: str):
@@ -112,7 +118,10 @@ class ParamCodes:
         if self.correction is not None:
             out[CORRECTION_KEY] = self.correction
         if self.eight_bit:
-            out.update(codes=self.codes, absmax=self.absmax)
+            # the codes are in their codec's current version (``to_fp32_checkpoint`` converts older ones)
+            name = CV.codec_name(self.quantization, self.state_bits)
+            out.update(codes=self.codes, absmax=self.absmax, **{CODEC_KEY: {"name": name,
+                                                                             "version": CV.CODEC_VERSIONS[name]}})
         else:
             out.update(values=self.values)
         return out
@@ -126,8 +135,8 @@ def collect_param_codes(inner: dict, path: str, into: Dict[str, ParamCodes]) -> 
                          "this version cannot carry over; resume from the checkpoint once at its world size (the "
                          "loader requantizes it) and save, then convert the new checkpoint")
     if marker.get("format") != STATE_FORMAT:
-        raise ValueError(f"{path}: the optimizer state has no layout marker of format {STATE_FORMAT}; it was not "
-                         "written by this version of ds_q8")
+        raise ValueError(f"{path}: the optimizer state has no layout marker of format {STATE_FORMAT} (found "
+                         f"{marker.get('format')!r}); convert its codes first (codec_versions.current)")
     group_of = {pid: g for g in inner["param_groups"] for pid in g["params"]}
     for pid, st in inner["state"].items():
         desc = marker["layouts"].get(pid, marker["layouts"].get(str(pid)))
@@ -179,10 +188,17 @@ def to_fp32_checkpoint(input_folder: str, output_folder: str,
         raise ValueError(f"{input_folder!r} has no *{_OPTIM_SUFFIX} files; pass a checkpoint tag folder "
                          "(e.g. checkpoints/global_step100)")
     # convert everything in memory first, so a bad file leaves no half-written output behind
-    converted = {}
+    loaded = []
     for path in optim_files:
         rank_sd = torch.load(path, map_location="cpu", weights_only=False)
         outer, key, inner = _find_optimizer_state(rank_sd, path)
+        _marker(inner, path)
+        loaded.append((path, rank_sd, outer, key, inner))
+    # one decision for the whole checkpoint where its format names no codec: every rank's codes are evidence
+    evidence = sum((CV.evidence_of(inner) for *_, inner in loaded), CV.Evidence())
+    converted = {}
+    for path, rank_sd, outer, key, inner in loaded:
+        inner = CV.current(inner, evidence=evidence)
         if codes is not None:
             collect_param_codes(inner, path, codes)
         outer[key] = fp32_rank_state(inner, path)
@@ -263,14 +279,59 @@ def _saved_state(folder: Optional[str], segments, group: dict, opt, cache: dict)
             path = _codes_file(folder, seg.name)
             cache[seg.name] = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
         saved = cache[seg.name]
+        rule = opt.rule_for(group)
         if (saved is None or bool(saved.get("eight_bit", True)) != seg.eight_bit
-                or list(saved["state_names"]) != list(opt.rule_for(group).state_names)
+                or list(saved["state_names"]) != list(rule.state_names)
                 or (seg.eight_bit and int(saved.get("state_bits", 8)) != state_bits_of(group))
                 or (seg.eight_bit and (saved["block_size"] != group["block_size"]
                                        or saved["quantization"] != group["quantization"]))):
             return None
+        if seg.eight_bit:
+            saved = cache[seg.name] = _in_current_codes(folder, saved, rule.state_signed, opt, cache)
         out.append(saved)
     return out
+
+
+def _in_current_codes(folder: str, saved: dict, signed, opt, cache: dict) -> dict:
+    """A parameter file's codes in their codec's current version (``optim/codec_versions.py``): as they are
+    where current, converted where an older version is known, refused by name where it is not. A file
+    written before state format 4 names no codec: its minifloat codes are decided over all the folder's files."""
+    name = CV.codec_name(saved["quantization"], saved.get("state_bits", 8))
+    codec = saved.get(CODEC_KEY)
+    if codec is not None and codec.get("name") != name:
+        raise ValueError(f"{folder}: a parameter file's codes are of codec {codec.get('name')!r}, but its "
+                         f"quantization and state_bits make them {name!r}: the file is damaged")
+    if codec is not None:
+        version = codec.get("version")
+    else:
+        version = _unnamed_minifloat_version(folder, opt, cache) if name == "minifloat" else 1
+    if version == CV.CODEC_VERSIONS[name]:
+        return saved
+    codes = [CV.upgraded_codes(c, name, version, s) for c, s in zip(saved["codes"], signed)]
+    return dict(saved, codes=codes, **{CODEC_KEY: {"name": name, "version": CV.CODEC_VERSIONS[name]}})
+
+
+def _unnamed_minifloat_version(folder: str, opt, cache: dict) -> int:
+    """The minifloat codec version of a universal checkpoint whose parameter files name none, decided once
+    from every such file's signed codes (every rank reads the same files, so every rank decides alike)."""
+    key = (CODEC_KEY, "minifloat")  # not a parameter name
+    if key not in cache:
+        signed = {n: s for g in opt.param_groups for n, s in zip(opt.rule_for(g).state_names,
+                                                                 opt.rule_for(g).state_signed)}
+        evidence = CV.Evidence()
+        for path in sorted(glob.glob(os.path.join(folder, CODES_FOLDER, "*.pt"))):
+            p = torch.load(path, map_location="cpu", weights_only=True)
+            if (p.get(CODEC_KEY) is not None or not p.get("eight_bit", True)
+                    or CV.codec_name(p["quantization"], p.get("state_bits", 8)) != "minifloat"):
+                continue
+            for codes, state in zip(p["codes"], p["state_names"]):
+                if signed.get(state, False):
+                    evidence = evidence + CV.codes_evidence(codes, p["block_size"] or max(1, int(p["numel"])))
+        version, why = CV.decide_minifloat(evidence)
+        warnings.warn(f"ds_q8: the universal checkpoint {folder} was converted before its parameter files named their "
+                      f"codec; their signed minifloat codes were read as {why}.", RuntimeWarning, stacklevel=2)
+        cache[key] = version
+    return cache[key]
 
 
 def restore_after_load(engine, load_dir, tag=None, *args, **kwargs) -> None:
