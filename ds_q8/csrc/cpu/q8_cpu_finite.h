@@ -21,9 +21,9 @@ FiniteFn best_finite() {
 // 1 when no tensor holds NaN or Inf, 0 when one does; -1 (nothing read) when `lenient` and a tensor
 // is not a contiguous float32/float16/bfloat16 CPU tensor, which otherwise is an error.
 int finite_check(const std::vector<torch::Tensor>& tensors, bool lenient) {
-    // Every tensor cut into chunks of 2^16 values; one parallel loop over all chunks of all tensors,
+    // Every tensor cut into chunks of 2^18 values; one parallel loop over all chunks of all tensors,
     // so that many small tensors cost one parallel region.
-    constexpr int64_t kChunk = 1 << 16;
+    constexpr int64_t kChunk = 1 << 18;
     struct Piece {
         const void* x;
         int64_t n;
