@@ -7,12 +7,14 @@
 
 #include <atomic>
 #include <memory>
+#include <string>
 
 #include "q8_binding.h"
 #include "q8_cpu_api.h"
 #include "q8_fastmap.h"
 #include "q8_floormap.h"
 #include "q8_floortable.h"
+#include "q8_minifloat.h"
 
 namespace ds_q8 {
 namespace {
@@ -131,6 +133,34 @@ int64_t floor_table_mismatches(const torch::Tensor& code, double limit) {
     return bad.load();
 }
 
+// q8_mf_code (the scalar codec, which the kernels share) on each value of z with its random bits and old code.
+torch::Tensor minifloat_codes_scalar(const torch::Tensor& z, bool is_signed, int64_t mode, const torch::Tensor& bits,
+                                     const torch::Tensor& old) {
+    TORCH_CHECK_VALUE(z.scalar_type() == torch::kFloat32 && bits.scalar_type() == torch::kInt64 &&
+                          old.scalar_type() == torch::kInt64 && bits.numel() == z.numel() && old.numel() == z.numel(),
+                      "z must be float32, bits and old int64 of z's size");
+    auto zc = z.contiguous(), bc = bits.contiguous(), oc = old.contiguous();
+    auto out = torch::empty({z.numel()}, torch::kInt64);
+    const float* zp = zc.data_ptr<float>();
+    const int64_t* bp = bc.data_ptr<int64_t>();
+    const int64_t* op = oc.data_ptr<int64_t>();
+    int64_t* o = out.data_ptr<int64_t>();
+    at::parallel_for(0, z.numel(), 1 << 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i)
+            o[i] = q8_mf_code(is_signed, zp[i], (int)mode, (uint32_t)bp[i], (uint32_t)op[i]);
+    });
+    return out;
+}
+
+// The minifloat encoders of `isa` against q8_mf_code over every float in [-limit, limit] (the map's units).
+int64_t minifloat_mismatches(const std::string& isa, bool is_signed, int64_t mode, double limit) {
+    TORCH_CHECK_VALUE(isa == "avx512" || isa == "avx2", "isa must be 'avx512' or 'avx2', got '", isa, "'");
+    TORCH_CHECK_VALUE(limit >= 0.0 && limit < 4.0, "limit must be in [0, 4), got ", limit);
+    const int threads = at::get_num_threads();
+    return isa == "avx512" ? mf_mismatches_avx512(is_signed, (int)mode, (float)limit, threads)
+                           : mf_mismatches_avx2(is_signed, (int)mode, (float)limit, threads);
+}
+
 }  // namespace
 }  // namespace ds_q8
 
@@ -142,6 +172,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("floor_map", &ds_q8::floor_map, "True when the map gets the AVX2 driver's floor rows");
     m.def("floor_table", &ds_q8::floor_table, "True when the map gets the CUDA step's floor tables");
     m.def("floor_round", &ds_q8::floor_round, "codes of scaled values by the CUDA step's floor tables");
+    m.def("minifloat_codes_scalar", &ds_q8::minifloat_codes_scalar, "q8_mf_code on each value (the scalar codec)");
+    m.def("minifloat_mismatches", &ds_q8::minifloat_mismatches,
+          "an instruction set's minifloat encoder vs q8_mf_code over every float in [-limit, limit]");
     m.def("floor_table_mismatches", &ds_q8::floor_table_mismatches,
           "the floor tables vs the reference's rule over every float in [-limit, limit]; -1 without tables");
 }

@@ -23,7 +23,8 @@ def load_probe():
     from ds_q8.op_builder.common import csrc
 
     builder = Q8CPUBuilder()
-    return load(name="ds_q8_test_probe", sources=[os.path.join(TESTS, "csrc", "q8_probe.cpp"), csrc("cpu", "isa_avx512.cpp")],
+    return load(name="ds_q8_test_probe", sources=[os.path.join(TESTS, "csrc", "q8_probe.cpp"), csrc("cpu", "isa_avx512.cpp"),
+                                                  csrc("cpu", "isa_avx2.cpp")],
                 extra_include_paths=[csrc("includes"), csrc("cpu")],
                 extra_cflags=builder.cxx_args() + ["-DQ8_PROBES"], extra_ldflags=builder.extra_ldflags())
 

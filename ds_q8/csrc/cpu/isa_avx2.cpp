@@ -354,4 +354,12 @@ struct Avx2 : PerVectorBlocks<Avx2>, Avx2Minifloat {
 
 Q8_DEFINE_ISA(avx2, Avx2)
 
+#ifdef Q8_PROBES  // tests/csrc/q8_probe.cpp only
+#define Q8_MF_PROBE_NAME mf_mismatches_avx2
+#define Q8_MF_PROBE_TRAITS Avx2
+#include "q8_mf_probe.h"
+#undef Q8_MF_PROBE_NAME
+#undef Q8_MF_PROBE_TRAITS
+#endif
+
 #pragma GCC pop_options

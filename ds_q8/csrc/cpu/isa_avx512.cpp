@@ -287,6 +287,11 @@ struct Avx512 : Avx512Vectors, Avx512Minifloat {
 Q8_DEFINE_ISA(avx512, Avx512)
 
 #ifdef Q8_PROBES  // tests/csrc/q8_probe.cpp only
+#define Q8_MF_PROBE_NAME mf_mismatches_avx512
+#define Q8_MF_PROBE_TRAITS Avx512
+#include "q8_mf_probe.h"
+#undef Q8_MF_PROBE_NAME
+#undef Q8_MF_PROBE_TRAITS
 namespace ds_q8 {
 // Every float in [-limit, limit] through the segment search, against the lookup table.
 int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads) {

@@ -87,5 +87,9 @@ Q8_DECLARE_ISA(scalar)
 // mismatches against the lookup table over every float in [-limit, limit] (scaled values, so limit
 // is a little above 1).
 int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads);
+// Test probes of the minifloat encoders (Q8_PROBES only, q8_mf_probe.h): codes that differ from q8_mf_code over
+// every float in [-limit, limit] (values in the map's units), with rounding `mode` (Q8_ROUND_*).
+int64_t mf_mismatches_avx512(bool is_signed, int mode, float limit, int num_threads);
+int64_t mf_mismatches_avx2(bool is_signed, int mode, float limit, int num_threads);
 
 }  // namespace ds_q8
