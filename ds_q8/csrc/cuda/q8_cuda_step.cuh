@@ -123,12 +123,17 @@ __device__ __forceinline__ void requantize_by_table(const FloorTable& t, bool fl
 // paths; a warp where any lane had an operand off them runs it again on float from the parameter and
 // gradient reloaded (nothing is stored before) and the states decoded again from their codes.
 //
-// Minifloat states (kCodecGuided, kCodecRunTime, and any minifloat map of kCodecTables) are coded from their
-// bits (q8_cuda_minifloat.cuh): a block whose maximum is 0 or in [2^-100, 2^100] (all but blocks that are
-// not finite and far out of range) by the integer arithmetic of mf_encode8, any other value by value through
-// q8_mf_code. Table maps are coded by their FloorTables (q8_cuda_tables.cuh).
+// Minifloat states are coded from their bits (q8_cuda_minifloat.cuh): in kCodecGuided and kCodecRunTime a
+// block whose maximum is 0 or in [2^-100, 2^100] (all but blocks that are not finite or far out of range) by
+// the integer arithmetic of mf_encode8, any other block value by value through q8_mf_code, as kCodecTables
+// codes a minifloat map beside table maps (a rare form, kept short). Table maps are coded by their FloorTables
+// (q8_cuda_tables.cuh).
+//
+// Registers: the fast path runs the rule on a thread's 8 values side by side, which takes more of them than
+// one value at a time behind per-value branches did; each kernel is held to what lets a whole number of
+// 256-thread CTAs share a multiprocessor: 64 for one state (4 CTAs), 80 for two (3), 128 for three (1).
 template <class Rule, class P, class G, int kCodec>
-__global__ void __maxnreg__(80) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __maxnreg__(Rule::kStates > 2 ? 128 : Rule::kStates > 1 ? 80 : 64) step_kernel(const __grid_constant__ StepList list, const Rule rule) {
     constexpr int K = Rule::kStates;
     if (list_skipped(list)) return;
     __shared__ float red[1024 / 32];
