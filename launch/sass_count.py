@@ -79,7 +79,7 @@ COLD = [
     ("for (int w = 1; w < warps; ++w)", "line"),
     ("__syncthreads();  // `red` is reused by the next reduction", "line"),
     ("if (tile >= end) {  // the CTA's first tile of a tensor", "block"),  # once per tensor, not per tile
-    ("if (!__all_sync(0xFFFFFFFFu, apply_rule_checked(", "block"),  # a division or root off its fast path
+    ("if (!__all_sync(0xFFFFFFFFu, ", "block"),                   # a division or root off its fast path
     ("mf_encode8_exact(", "line"),                                  # blocks far out of range, not finite
     ("__device__ __forceinline__ void mf_encode8_exact(", "block"),
     ("if (i < cnt) w[i >> 2] |= (uint32_t)p[i] << (8 * (i & 3));", "line"),  # codes of a partial pass
