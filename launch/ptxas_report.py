@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FUNCTION = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def device_sources(csrc_dir: Optional[str] = None) -> List[str]:
@@ -83,7 +84,8 @@ def short_name(mangled: str) -> str:
 
 
 def parse(log: str) -> List[Dict]:
-    """One record per compiled kernel: name, arch, registers, stack, spill_stores, spill_loads."""
+    """One record per compiled kernel: name, arch, registers, stack, spill_stores, spill_loads, and smem (its
+    static shared memory in bytes, 0 when ptxas names none; dynamic shared memory is the launch's)."""
     rows, current = [], None
     for line in log.splitlines():
         m = _FUNCTION.search(line)
@@ -99,6 +101,8 @@ def parse(log: str) -> List[Dict]:
         m = _REGS.search(line)
         if m:
             current["registers"] = int(m.group(1))
+            s = _SMEM.search(line)
+            current["smem"] = int(s.group(1)) if s else 0
     return rows
 
 

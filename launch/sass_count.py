@@ -24,6 +24,13 @@ side by side:
     python launch/sass_count.py --rev 103f9e4 --rev tree --json out/sass.json
     python launch/sass_count.py --rev 84d1199@stochastic --rev tree@stochastic --rev tree@guided
     python launch/sass_count.py --rev 84d1199 --rev tree --through stochastic   # what state_rounding="stochastic" runs
+    python launch/sass_count.py --through correction                  # bf16 parameters with correction bytes
+    python launch/sass_count.py --kernels '^void step4_kernel<AdamRule<true>, float, float>'   # the 4-bit kernel
+
+Besides the instructions, each row gives per element the path's shared-memory loads (LDS) and global loads
+(LDG, and LD through a generic pointer, which the kernels' tensors are), and the kernel's registers, spills and
+static shared memory (ptxas); the 8-bit kernel of table maps adds a FloorTable (26,640 bytes) of dynamic
+shared memory per table map at launch.
 
 A static count over one path, not a measurement: Nsight Compute on a GPU counts what runs
 (launch/gpu_check.sh's profile stage).
@@ -71,6 +78,12 @@ COLD = [
     ("if ((threadIdx.x & 31) == 0) red[warp] = local;", "line"),
     ("for (int w = 1; w < warps; ++w)", "line"),
     ("__syncthreads();  // `red` is reused by the next reduction", "line"),
+    ("if (tile >= end) {  // the CTA's first tile of a tensor", "block"),  # once per tensor, not per tile
+    ("if (!__all_sync(0xFFFFFFFFu, ", "block"),                   # a division or root off its fast path
+    ("mf_encode8_exact(", "line"),                                  # blocks far out of range, not finite
+    ("__device__ __forceinline__ void mf_encode8_exact(", "block"),
+    ("if (i < cnt) w[i >> 2] |= (uint32_t)p[i] << (8 * (i & 3));", "line"),  # codes of a partial pass
+    ("if (i < cnt) p[i] = (uint8_t)(w[i >> 2] >> (8 * (i & 3)));", "line"),
 ]
 
 #: --through stochastic: the run-time kernel's path through stochastic rounding, the guided roundings'
@@ -170,12 +183,16 @@ def disassemble(csrc: str, arch: str, tmp: str) -> Tuple[str, str]:
     return "\n".join(text), log
 
 
-def cold_lines(path: str, extra: Sequence[Tuple[str, str]] = ()) -> set:
-    """Line numbers of ``path`` that are off the common path (COLD, and ``extra`` of the same form)."""
+#: --through correction: bf16 parameters with correction bytes (correction_byte=True), their lines common
+CORRECTION = ("if (corr != nullptr) {", "block")
+
+
+def cold_lines(path: str, extra: Sequence[Tuple[str, str]] = (), common: Sequence[Tuple[str, str]] = ()) -> set:
+    """Line numbers of ``path`` that are off the common path (COLD less ``common``, and ``extra`` of the same form)."""
     lines = open(path).read().split("\n")
     cold = set()
     for i, text in enumerate(lines, start=1):
-        for snippet, kind in list(COLD) + list(extra):
+        for snippet, kind in [c for c in COLD if c not in common] + list(extra):
             if snippet not in text:
                 continue
             if kind == "line":
@@ -250,6 +267,12 @@ def blocks(instrs: List[Instr]) -> List[Tuple[int, int]]:
     return [(a, b) for a, b in zip(s, s[1:] + [len(instrs)])]
 
 
+def is_cold(ins: Instr, cold: Dict[str, set]) -> bool:
+    """Whether an instruction comes from a cold line. A reconvergence point (BSYNC) is on every path through its
+    branch, whichever side's last line the compiler gives it, so it never is."""
+    return ins.op != "BSYNC" and any(line in cold.get(f, ()) for f, line in ins.where)
+
+
 def common_path(instrs: List[Instr], cold: Dict[str, set], loop_line: Optional[Tuple[str, int]]) -> List[Instr]:
     """The instructions of one pass along the common path (see the module's doc)."""
     bl = blocks(instrs)
@@ -274,7 +297,7 @@ def common_path(instrs: List[Instr], cold: Dict[str, set], loop_line: Optional[T
         """Instructions on common source lines, less COLD_WEIGHT for each on a cold one; a slow path's call
         rules its block out."""
         a, b = bl[i]
-        n_cold = sum(1 for ins in instrs[a:b] if any(line in cold.get(f, ()) for f, line in ins.where))
+        n_cold = sum(1 for ins in instrs[a:b] if is_cold(ins, cold))
         calls = any(ins.op == "CALL" for ins in instrs[a:b])
         return (b - a - n_cold) - COLD_WEIGHT * n_cold - (10 ** 6 if calls else 0)
 
@@ -323,7 +346,8 @@ def loop_line_of(csrc: str) -> Optional[Tuple[str, int]]:
 
 def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str, through: Optional[str] = None) -> List[Dict]:
     """The rows of ``spec``: a git revision or "tree", with "@rounding" to fix the rounding (ROUNDINGS);
-    ``through="stochastic"``: the path through stochastic rounding (GUIDED_COLD)."""
+    ``through="stochastic"``: the path through stochastic rounding (GUIDED_COLD); ``through="correction"``: the
+    path through the correction bytes of bf16 parameters (CORRECTION)."""
     name, _, rounding = spec.partition("@")
     if rounding and rounding not in ROUNDINGS:
         raise SystemExit(f"--rev {spec!r}: the rounding after '@' must be one of {sorted(ROUNDINGS)}")
@@ -341,7 +365,8 @@ def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str, throug
         for name in names:
             if name.endswith((".cu", ".h", ".cuh")):
                 path = os.path.join(dirpath, name)
-                cold[path] = cold_lines(path, GUIDED_COLD if through == "stochastic" else ())
+                cold[path] = cold_lines(path, GUIDED_COLD if through == "stochastic" else (),
+                                        [CORRECTION] if through == "correction" else ())
     loop = loop_line_of(csrc)
     rows = []
     for mangled, instrs in functions(dis).items():
@@ -350,11 +375,14 @@ def measure(spec: str, arch: str, rules: List[str], match: str, tmp: str, throug
             continue
         path = common_path(instrs, cold, loop)
         r = regs.get(mangled, {})
-        on_cold = sum(1 for i in path if any(line in cold.get(f, ()) for f, line in i.where))
+        on_cold = sum(1 for i in path if is_cold(i, cold))
+        ops = Counter(i.op for i in path)
         rows.append({"rev": spec, "kernel": name, "static": len(instrs), "path": len(path), "cold": on_cold,
                      "per_element": round(len(path) / ELEMS, 1), "registers": r.get("registers"),
-                     "spills": r.get("spill_stores", 0) + r.get("spill_loads", 0),
-                     "ops": dict(Counter(i.op for i in path).most_common())})
+                     "spills": r.get("spill_stores", 0) + r.get("spill_loads", 0), "smem": r.get("smem"),
+                     "lds_per_element": round(ops["LDS"] / ELEMS, 2),
+                     "ldg_per_element": round((ops["LDG"] + ops["LD"]) / ELEMS, 2),
+                     "ops": dict(ops.most_common())})
     return sorted(rows, key=lambda r: r["kernel"])
 
 
@@ -366,8 +394,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rules", default="adamw", help="comma-separated rules to compile (default adamw)")
     ap.add_argument("--kernels", default=r"^void step_kernel<AdamRule<true>, (float, float|q8_bf16, q8_bf16)(, \w+)?>",
                     help="regular expression on the demangled kernel names to report")
-    ap.add_argument("--through", choices=["stochastic"], help="in kernels that read the rounding at run time, "
-                    "count the path through stochastic rounding (the guided roundings' lines cold)")
+    ap.add_argument("--through", choices=["stochastic", "correction"], help="stochastic: in kernels that read the "
+                    "rounding at run time, count the path through stochastic rounding (the guided roundings' lines "
+                    "cold); correction: the path of bf16 parameters with correction bytes")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     if not re.fullmatch(r"\d{2,3}", args.arch):
@@ -380,11 +409,12 @@ def main(argv=None) -> int:
         print(f"no kernel matches {args.kernels!r}", file=sys.stderr)
         return 1
     width = max(len(r["kernel"]) for r in rows)
-    print(f"| revision | kernel{' ' * (width - 6)} | registers | spills | SASS | common path | per element |")
-    print(f"|---|---|---:|---:|---:|---:|---:|")
+    print(f"| revision | kernel{' ' * (width - 6)} | registers | spills | smem | SASS | common path | per element "
+          f"| LDS/el | LDG/el |")
+    print(f"|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['rev'][:24]} | {r['kernel']:<{width}} | {r['registers']} | {r['spills']} | {r['static']} | "
-              f"{r['path']} | {r['per_element']} |")
+        print(f"| {r['rev'][:24]} | {r['kernel']:<{width}} | {r['registers']} | {r['spills']} | {r['smem']} | "
+              f"{r['static']} | {r['path']} | {r['per_element']} | {r['lds_per_element']} | {r['ldg_per_element']} |")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -150,6 +150,113 @@ def test_non_finite_blocks(sim, state_rounding):
     assert_same(kernel, reference, state_rounding)
 
 
+@pytest.mark.parametrize("rounding", ["guided", "stochastic", "nearest"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_minifloat_maps_every_pair_and_rounding(sim, pair, rounding):
+    """quantization="minifloat" (the default): both states coded from their bits in one pass, the default's
+    kernel (guided) and the one that reads the rounding at run time, with and without stochastic writes."""
+    dtype, grad_dtype = DTYPE_PAIRS[pair]
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, sizes_of(256), dtype, grad_dtype, steps=3,
+                                 quantization="minifloat", state_rounding=rounding,
+                                 stochastic_rounding=dtype != torch.float32 and rounding != "nearest")
+    assert sim_op.last_kernel_is(sim, "adamw fp32 guided" if rounding == "guided" else "adamw fp32 run-time") or \
+        dtype != torch.float32
+    assert_same(kernel, reference, f"minifloat {pair} {rounding}")
+
+
+def wide_gradients(n, block, seed):
+    """Per block a few elements far above the rest: second moments at the top entry and, a dozen decades under
+    it, at the unsigned map's zero point (code 1); first moments at both ends of the signed map."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(n, generator=gen) * 1e-7
+    g[::block] = 3.0
+    g[block::2 * block] = -3.0  # every other block's largest first moment is negative: the map's bottom
+    g[5::block] = 1e-12
+    return g
+
+
+@pytest.mark.parametrize("block_size", [64, 4096])
+def test_minifloat_top_entry_and_zero_point(sim, block_size):
+    n = 2 * block_size + 3
+    grads = [wide_gradients(n, block_size, s) for s in range(3)]
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, [n], torch.float32, block_size=block_size,
+                                 grads=grads, quantization="minifloat")
+    pk, ok = kernel
+    m, v = ok.state[pk[0]]["state1"], ok.state[pk[0]]["state2"]
+    assert bool((v == 1).any()) and bool((v == 255).any()) and bool((m >= 254).any()) and bool((m <= 1).any())
+    assert_same(kernel, reference, f"top and zero point, block {block_size}")
+
+
+@pytest.mark.parametrize("quantization", ["minifloat", "dynamic6"])
+@pytest.mark.parametrize("scale", [1e-36, 1e33])
+def test_blocks_outside_the_fast_codec(sim, quantization, scale):
+    """Gradients so small or large that the moments' block maxima leave [2^-100, 2^100] (the minifloat codec
+    takes them value by value) and the rule's divisions leave their fast path (the warp runs it again)."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [torch.randn(700, generator=gen) * scale for _ in range(3)]
+    for g in grads:
+        g[:64] = torch.randn(64, generator=gen)  # one block of ordinary values beside them
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, [700], torch.float32, block_size=64, grads=grads,
+                                 quantization=quantization, nonfinite="off")
+    assert_same(kernel, reference, f"{quantization} x{scale}")
+
+
+@pytest.mark.parametrize("quantization", ["dynamic", "linear"])
+def test_table_maps_run_their_own_kernel(sim, quantization):
+    """Maps coded through their tables take the kernel with FloorTables in shared memory (kCodecTables); the
+    minifloat maps take one without them."""
+    kernel, reference = run_pair(sim, ds_q8.AdamW8bitBlock, {}, [3 * 256 + 7], torch.float32, steps=2,
+                                 quantization=quantization)
+    assert sim_op.last_kernel_is(sim, "adamw fp32 tables")
+    assert_same(kernel, reference, quantization)
+    run_pair(sim, ds_q8.AdamW8bitBlock, {}, [300], torch.float32, steps=1, quantization="minifloat")
+    assert not sim_op.last_kernel_is(sim, "adamw fp32 tables")
+
+
+@pytest.mark.parametrize("maps", [("minifloat", "dynamic"), ("dynamic", "minifloat"), ("swapped", "swapped")])
+@pytest.mark.parametrize("rounding", [[3, 3], [1, 0]])
+def test_mixed_maps_match_the_cpu_op(sim, maps, rounding):
+    """A minifloat map beside a table map, or on a state of the other sign, takes the kernel of table maps and
+    codes that state value by value (q8_mf_code): the same bits as the CPU op."""
+    from ds_q8 import ops
+
+    p, g, s, a, _, _, hyper = _lists(sim, sizes_of(256), torch.float32)
+    signed = (True, False)
+    names = [m if m != "swapped" else "minifloat" for m in maps]
+    signs = [not sg if m == "swapped" else sg for m, sg in zip(maps, signed)]
+    code = [F.state_map(name, sg, torch.device("cpu")) for name, sg in zip(names, signs)]
+    cpu = ops.load_op("cpu", required=True)
+    keys, index = [5 + i for i in range(len(p))], [3 * i for i in range(len(p))]
+    q, t, b = [x.clone() for x in p], [[c.clone() for c in st] for st in s], [[c.clone() for c in st] for st in a]
+    sim.step_many("adamw", p, g, s, a, code, [sim.build_lookup(c) for c in code], 256, hyper, keys, index,
+                  stochastic_states=rounding)
+    assert sim_op.last_kernel_is(sim, "adamw fp32 tables")
+    cpu.step_many(ops.cpu_isa(), "adamw", q, g, t, b, code, [cpu.build_lookup(c) for c in code], 256, hyper, keys,
+                  index, stochastic_states=rounding)
+    for x, y in zip(_flat(p, s, a), _flat(q, t, b)):
+        assert_same_bits(x, y, f"{maps} {rounding}")
+
+
+CODEC_CHECKS = ["encode signed", "encode unsigned", "decode", "scale"]
+
+
+@pytest.mark.parametrize("check", CODEC_CHECKS)
+def test_device_codec_value_by_value(sim, check):
+    """The minifloat codec's device form against q8_minifloat.h on every value where a decision changes
+    (tests/cuda_sim/device_checks.h)."""
+    bad, checked = sim_op.device_check(sim, check)
+    assert checked > (100 if check == "scale" else 2000) and bad == 0, (bad, checked)
+
+
+@pytest.mark.parametrize("check", ["division", "square root"])
+def test_device_division_and_root_where_fast(sim, check):
+    """q8_div_checked and q8_sqrt_checked, wherever they say their fast path is exact, give IEEE's bits with
+    approximations of the worst accuracy the PTX ISA allows (ptx_emulation.h); they admit most operands."""
+    count = 400_000 if sim_op.BUILD == "plain" else 40_000
+    bad, fast = sim_op.device_check(sim, check, count, 11)
+    assert bad == 0 and fast > count // 5, (bad, fast)
+
+
 @pytest.mark.parametrize("states", ["8-bit", "fp32"])
 @pytest.mark.parametrize("grad", [p for p in ("bf16", "bf16-fp32grad") if p in PAIRS])
 def test_correction_bytes(sim, grad, states):
@@ -368,12 +475,13 @@ def test_telemetry_sums_match_the_cpu_op(sim):
 
 # ---------------------------------------------------------------------------- (de)quantize
 
+@pytest.mark.parametrize("quantization", ["dynamic", "minifloat"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
-def test_quantize_and_dequantize(sim, dtype, block_size):
+def test_quantize_and_dequantize(sim, dtype, block_size, quantization):
     gen = torch.Generator().manual_seed(block_size)
     for signed in (True, False):
-        code = F.state_map("dynamic", signed, torch.device("cpu"))
+        code = F.state_map(quantization, signed, torch.device("cpu"))
         lookup = sim.build_lookup(code)
         for n in sizes_of(block_size):
             x = torch.randn(n, generator=gen).to(dtype) * 3

@@ -139,7 +139,7 @@ def test_ptxas_report_parses_stack_spills_and_registers():
     log = """ptxas info    : Compiling entry function '_Z3fooPf' for 'sm_90'
 ptxas info    : Function properties for _Z3fooPf
     16 bytes stack frame, 4 bytes spill stores, 8 bytes spill loads
-ptxas info    : Used 40 registers, used 1 barriers, 380 bytes cmem[0]
+ptxas info    : Used 40 registers, used 1 barriers, 256 bytes smem, 380 bytes cmem[0]
 ptxas info    : Compiling entry function '_Z3barv' for 'sm_90'
 ptxas info    : Function properties for _Z3barv
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
@@ -148,6 +148,7 @@ ptxas info    : Used 12 registers, used 0 barriers
     rows = ptxas_report.parse(log)
     assert [(r["stack"], r["spill_stores"], r["spill_loads"], r["registers"]) for r in rows] == [(16, 4, 8, 40),
                                                                                                (0, 0, 0, 12)]
+    assert [r["smem"] for r in rows] == [256, 0]
     assert [r["mangled"] for r in ptxas_report.bad(rows)] == ["_Z3fooPf"]
     assert rows[0]["kernel"].startswith("foo")
 

@@ -92,10 +92,21 @@ def test_through_stochastic_makes_the_guided_requantization_cold(tmp_path):
     csrc = sass_count.sources(None, str(tmp_path), ["adamw"])
     path = os.path.join(csrc, "cuda", "q8_cuda_step.cuh")
     lines = open(path).read().split("\n")
-    guided = [i for i, l in enumerate(lines, start=1) if "requantize_guided_code<true>(tab[k]" in l]
+    guided = [i for i, l in enumerate(lines, start=1) if "requantize_guided_code<true>(t, x" in l]
     assert guided, "the step kernel no longer calls requantize_guided_code as GUIDED_COLD expects"
     plain, through = sass_count.cold_lines(path), sass_count.cold_lines(path, sass_count.GUIDED_COLD)
     assert plain < through and all(i in through and i not in plain for i in guided)
     # the stochastic requantization stays on the path either way
-    stochastic = [i for i, l in enumerate(lines, start=1) if "requantize_stochastic<true>(tab[k]" in l]
+    stochastic = [i for i, l in enumerate(lines, start=1) if "requantize_stochastic<true>(t, x" in l]
     assert stochastic and not any(i in through for i in stochastic)
+
+
+def test_through_correction_makes_the_correction_bytes_common(tmp_path):
+    csrc = sass_count.sources(None, str(tmp_path), ["adamw"])
+    path = os.path.join(csrc, "cuda", "q8_cuda_load_store.cuh")
+    lines = open(path).read().split("\n")
+    joins = [i for i, l in enumerate(lines, start=1) if "q8_bf16_join(" in l and "corr[i]" in l]
+    assert joins, "load_param8 no longer joins the correction bytes as CORRECTION expects"
+    plain = sass_count.cold_lines(path)
+    through = sass_count.cold_lines(path, (), [sass_count.CORRECTION])
+    assert all(i in plain and i not in through for i in joins)

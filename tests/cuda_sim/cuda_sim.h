@@ -8,8 +8,9 @@
 //   set to 0xFF (NaN as float) before every CTA, so a read before a write shows;
 // - threadIdx/blockIdx/blockDim/gridDim. Every CUDA thread of a CTA is a fiber with its own stack
 //   (ucontext), and one OS thread per launch runs them in turn, each until it waits at a barrier or
-//   exits: __syncthreads is a barrier and __shfl_xor_sync an exchange between the 32 lanes of a warp,
-//   without an OS thread switch at each;
+//   exits: __syncthreads is a barrier and __shfl_xor_sync an exchange between the 32 lanes of a warp
+//   (__all_sync is five of them), without an OS thread switch at each;
+// - the PTX instructions the kernels name (q8_cuda_ptx.cuh), from ptx_emulation.h;
 // - uint2/uint4 with CUDA's alignment (8 and 16 bytes: UBSan's alignment check sees a vector access
 //   through a pointer that does not have it), __ldg, __float_as_uint, atomicAdd.
 //
@@ -48,6 +49,7 @@
 #include <pthread.h>
 
 #include "fibers.h"
+#include "ptx_emulation.h"
 
 // q8_common.h then takes its device branches (__CUDA_ARCH__): the code nvcc compiles for the GPU.
 #define __CUDACC__ 1
@@ -60,6 +62,7 @@
 #define __shared__ __attribute__((section("q8sim_shared"))) static
 
 #define __launch_bounds__(...)
+#define __maxnreg__(...)
 
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(8) float2 { float x, y; };
@@ -323,6 +326,14 @@ T shfl_xor(int line, unsigned mask, T var, int lane_mask, int width = kWarp) {
     return out;
 }
 
+// __all_sync over the whole warp: the lanes' predicates ANDed through five exchanges of shfl_xor, so that
+// it waits, checks and orders like one.
+inline int all_sync(int line, unsigned mask, int predicate) {
+    int all = predicate != 0;
+    for (int lane_mask = kWarp / 2; lane_mask > 0; lane_mask /= 2) all &= shfl_xor(line, mask, all, lane_mask);
+    return all;
+}
+
 // The launch's dynamic shared memory (Q8_DYNAMIC_SHARED): one buffer, as CTAs run one after another.
 inline std::vector<uint4> dynamic_buffer;
 
@@ -532,6 +543,7 @@ void launch(const char* name, int64_t grid, int64_t threads, size_t smem, Body&&
 #define Q8_SIM_BUG(n) (::q8sim::planted_bug() == (n))
 #define __syncthreads() ::q8sim::syncthreads(__LINE__)
 #define __shfl_xor_sync(...) ::q8sim::shfl_xor(__LINE__, __VA_ARGS__)
+#define __all_sync(...) ::q8sim::all_sync(__LINE__, __VA_ARGS__)
 #define Q8_LAUNCH(kernel, grid, threads, smem, stream, ...)                                                  \
     (::q8sim::note_kernel(reinterpret_cast<const void*>(kernel)),                                              \
      ::q8sim::launch(#kernel, (int64_t)(grid), (int64_t)(threads), (size_t)(smem), [&] { kernel(__VA_ARGS__); }))

@@ -50,7 +50,8 @@ def _digest(paths) -> str:
 
 
 def _sim_files():
-    return [os.path.join(SIM, n) for n in ("cuda_sim.h", "fibers.h", "kernels.cpp", "binding.cpp")] + [
+    names = ("cuda_sim.h", "fibers.h", "ptx_emulation.h", "device_checks.h", "kernels.cpp", "binding.cpp")
+    return [os.path.join(SIM, n) for n in names] + [
         os.path.join(SIM, "include", "c10", "cuda", n) for n in ("CUDAGuard.h", "CUDAStream.h")]
 
 
@@ -102,8 +103,9 @@ def stat(module, what: str) -> int:
     return int(lib.q8sim_stat(index))
 
 
-#: the kernels q8sim_last_kernel_is (kernels.cpp) knows: AdamW's 8-bit step, by parameter dtype
-STEP_KERNELS = ["adamw fp32 guided", "adamw fp32 run-time", "adamw bf16 guided", "adamw bf16 run-time"]
+#: the kernels q8sim_last_kernel_is (kernels.cpp) knows: AdamW's 8-bit step, by parameter dtype and codec
+STEP_KERNELS = ["adamw fp32 guided", "adamw fp32 run-time", "adamw bf16 guided", "adamw bf16 run-time",
+                "adamw fp32 tables", "adamw bf16 tables"]
 
 
 def last_kernel_is(module, kernel: str) -> bool:
@@ -111,6 +113,20 @@ def last_kernel_is(module, kernel: str) -> bool:
     lib = ctypes.CDLL(module.__file__)
     lib.q8sim_last_kernel_is.restype = ctypes.c_int64
     return int(lib.q8sim_last_kernel_is(STEP_KERNELS.index(kernel))) == 1
+
+
+#: the checks q8sim_device_check (device_checks.h) runs, by name
+DEVICE_CHECKS = ["encode signed", "encode unsigned", "decode", "scale", "division", "square root"]
+
+
+def device_check(module, check: str, count: int = 0, seed: int = 0):
+    """(mismatches, cases compared) of one of :data:`DEVICE_CHECKS` on the device code's arithmetic."""
+    lib = ctypes.CDLL(module.__file__)
+    lib.q8sim_device_check.restype = ctypes.c_int64
+    lib.q8sim_device_check.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    checked = ctypes.c_int64(0)
+    bad = lib.q8sim_device_check(DEVICE_CHECKS.index(check), count, seed, ctypes.byref(checked))
+    return int(bad), int(checked.value)
 
 
 def _runtime_loaded(build: str) -> bool:

@@ -2,14 +2,17 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "q8_binding.h"
 #include "q8_common.h"
 #include "q8_cuda_api.h"
+#include "q8_minifloat.h"
 
 // Whether a tensor is where this op's kernels run. The tests' CPU execution harness (tests/cuda_sim)
 // builds this file for CPU tensors by defining it as t.is_cpu().
@@ -54,7 +57,40 @@ torch::Tensor build_lookup(const torch::Tensor& code) {
         std::memcpy(out.data_ptr<int32_t>() + kDeviceFloorOffset, floor.get(), sizeof(FloorTable));
         out.data_ptr<int32_t>()[kDeviceFloorFlag] = 1;
     }
+    out.data_ptr<int32_t>()[kDeviceMapKind] = q8_map_kind(code.data_ptr<float>());
     return out;
+}
+
+// The kind of map a lookup tensor was built for (its kDeviceMapKind word), which picks the step's kernel and
+// its shared memory on the host. A word on the device costs a synchronisation to read, so it is read once
+// per lookup tensor and kept while the tensor's storage lives with the same data (the optimizers build a
+// map's table once and pass it every step); the kernels read the same word themselves where they decide per
+// value (q8_cuda_kernels.cu's quantize).
+uint8_t lookup_kind(const torch::Tensor& lookup) {
+    struct Seen {
+        c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+        const void* data;
+        int64_t version;
+        uint8_t kind;
+    };
+    static std::mutex mu;
+    static std::map<const c10::StorageImpl*, Seen> seen;
+    const c10::StorageImpl* key = lookup.storage().unsafeGetStorageImpl();
+    const int64_t version = (int64_t)lookup._version();
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        const auto it = seen.find(key);
+        if (it != seen.end() && !it->second.storage.expired() && it->second.data == lookup.data_ptr() &&
+            it->second.version == version)
+            return it->second.kind;
+    }
+    const int32_t word = lookup.narrow(0, kDeviceMapKind, 1).item<int32_t>();
+    TORCH_CHECK_VALUE(word >= kMapTable && word <= kMapMinifloatUnsigned, "lookup must come from this op's "
+                      "build_lookup: its map kind word is ", word);
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = seen.begin(); it != seen.end();) it = it->second.storage.expired() ? seen.erase(it) : std::next(it);
+    seen.insert_or_assign(key, Seen{lookup.storage().getWeakStorageImpl(), lookup.data_ptr(), version, (uint8_t)word});
+    return (uint8_t)word;
 }
 
 void check_codes(const torch::Tensor& codes, const torch::Tensor& absmax, int64_t numel, int64_t block_size,
@@ -158,6 +194,7 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
     b.absmax = std::move(absmax);
     b.maps = std::move(maps);
     b.lookups = std::move(lookups);
+    for (size_t k = 0; k < b.lookups.size(); ++k) b.map_kind[k] = lookup_kind(b.lookups[k]);
     b.block_size = block_size;
     binding::check_settings(rule, hyper);
     cuda_step_many(b, hyper);

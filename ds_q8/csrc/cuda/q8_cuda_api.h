@@ -19,8 +19,11 @@ namespace ds_q8 {
 // kernel) and one word that is 1 when that FastMap is usable; from the next 16-byte boundary the map's
 // FloorTable (copied into shared memory by the step kernels) and one word that is 1 when it is usable
 // (0: the lookup table answers every value).
+// The word after it is the map's kind (q8_map_kind: a table, or one of the minifloat maps that the kernels
+// code from their bits).
 constexpr int kDeviceFloorOffset = (kLookupSize + kFastWords + 1 + 3) / 4 * 4;
 constexpr int kDeviceFloorFlag = kDeviceFloorOffset + kFloorWords;
+constexpr int kDeviceMapKind = kDeviceFloorFlag + 1;
 constexpr int kDeviceLookupSize = kDeviceFloorFlag + 4;
 
 // The step of many tensors that share a rule, dtypes, maps, block size and hyperparameters.
@@ -30,6 +33,7 @@ struct StepBatch {
     std::vector<std::vector<at::Tensor>> states;  // per tensor: uint8 codes, or float32 states (fp32_states)
     std::vector<std::vector<at::Tensor>> absmax;  // per tensor, per state: block maxima (8-bit states only)
     std::vector<at::Tensor> maps, lookups;         // per state: 256-entry map and its lookup tensor (8-bit)
+    uint8_t map_kind[Q8_MAX_STATES] = {};          // per state: its lookup tensor's kDeviceMapKind (Q8MapKind)
     int64_t block_size = 0;                        // 8-bit states only
     bool fp32_states = false;
     bool stochastic = false;                       // 16-bit params: write them with stochastic rounding

@@ -29,6 +29,7 @@ Geometry geometry(int64_t numel, int64_t block_size) {
 // ------------------------------------------------------------------ nearest code
 // The segment search of q8_fastmap.h (the function the CPU's scalar driver runs) with its tables in
 // shared memory; values it cannot place exactly, and maps without the tables, go to the lookup table.
+// The minifloat maps are coded from the values' bits instead (q8_minifloat.h), as the step codes them.
 // `lookup` is a lookup tensor of kDeviceLookupSize words (see q8_cuda_api.h).
 // Copies a map's FastMap into shared memory (every thread of the CUDA block takes part; the caller
 // synchronizes) and returns whether the map has one (uniform across the grid).
@@ -70,10 +71,18 @@ __global__ void quantize_kernel(const T* __restrict__ x, uint8_t* __restrict__ c
     const uint16_t stored = q8_absmax_store(qblock_absmax(local, Tq, red));
     if (!live) return;
     if (threadIdx.x % Tq == 0) absmax[qblock] = stored;
-    const float scale = q8_block_scale(q8_absmax_load(stored));
     uint32_t idx[kElems];
+    const uint32_t kind = __ldg(lookup + kDeviceMapKind);  // a minifloat map: coded from the values' bits
+    if (kind != kMapTable) {
+        const float scale = q8_mf_scale(q8_absmax_load(stored));
 #pragma unroll
-    for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, fast, s_fast, lookup);
+        for (int i = 0; i < kElems; ++i)
+            idx[i] = q8_mf_code(kind == kMapMinifloatSigned, v[i] * scale, Q8_ROUND_NEAREST, 0u, 0u);
+    } else {
+        const float scale = q8_block_scale(q8_absmax_load(stored));
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) idx[i] = quantize_one(v[i], scale, fast, s_fast, lookup);
+    }
     store_bits8(codes + start, idx, cnt, codes_align);
 }
 

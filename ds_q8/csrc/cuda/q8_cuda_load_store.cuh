@@ -104,6 +104,29 @@ __device__ __forceinline__ void store_bits8(T* p, const uint32_t (&b)[kElems], i
         if (i < cnt) p[i] = elem_from_bits<T>(b[i]);
 }
 
+// A thread's 8 codes as two words, code i in byte i % 4 of word i / 4 (codes past cnt read as 0), and back.
+__device__ __forceinline__ void load_codes8(const uint8_t* p, uint32_t (&w)[2], int cnt, int align) {
+    if (cnt == kElems && align >= 8) {
+        const uint2 c = *reinterpret_cast<const uint2*>(p);
+        w[0] = c.x, w[1] = c.y;
+        return;
+    }
+    w[0] = w[1] = 0u;  // a view 4, 2 or 1 bytes off its alignment, or a tensor's last, partial pass
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        if (i < cnt) w[i >> 2] |= (uint32_t)p[i] << (8 * (i & 3));
+}
+
+__device__ __forceinline__ void store_codes8(uint8_t* p, const uint32_t (&w)[2], int cnt, int align) {
+    if (cnt == kElems && align >= 8) {
+        *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < kElems; ++i)
+        if (i < cnt) p[i] = (uint8_t)(w[i >> 2] >> (8 * (i & 3)));
+}
+
 // 8 values as float32; lanes >= cnt read as 0.
 template <class T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[kElems], int cnt, int align) {

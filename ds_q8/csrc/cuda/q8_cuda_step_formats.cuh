@@ -49,7 +49,7 @@ __device__ __forceinline__ uint32_t count_below16(const float* mid16, int n, flo
 }
 
 template <class Rule, class P, class G>
-__global__ void __launch_bounds__(512, 1) step4_kernel(const __grid_constant__ StepList list, const Rule rule) {
+__global__ void __maxnreg__(80) step4_kernel(const __grid_constant__ StepList list, const Rule rule) {
     if (list_skipped(list)) return;
     __shared__ float s_maps[kFourMaps];
     __shared__ float s_mid[2][16];  // m's 14 and v's 15 boundaries, each padded with +infinity
@@ -76,41 +76,61 @@ __global__ void __launch_bounds__(512, 1) step4_kernel(const __grid_constant__ S
         const int cnt = live ? (int)(numel - start < kElems ? numel - start : kElems) : 0;
         int8_t* corr = a.correction ? a.correction + start : nullptr;
 
+        // lanes past the tensor's end (cnt = 0) read and write nothing and compute on zeros
+        const float m_absmax = live ? q8_absmax_load(a.absmax[0][qblock]) : 0.0f, vm = live ? v_max[qblock] : 0.0f;
+        uint32_t cm[kElems], cv[kElems];
         float p[kElems], g[kElems], s[2][kElems];
-#pragma unroll
-        for (int i = 0; i < kElems; ++i) p[i] = g[i] = s[0][i] = s[1][i] = 0.0f;
-        if (live) {
+        // the parameter, gradient and states (read again by a rerun, rather than kept in registers through
+        // the rule); square roots on their fast path where `ok` is given (it says whether they were exact:
+        // q8_cuda_fastmath.cuh), else sqrtf
+        auto inputs = [&](bool* ok) {
             load_param8(param + start, p, cnt, a.align_param, corr);
             load8(grad + start, g, cnt, a.align_grad);
-            uint32_t cm[kElems], cv[kElems];
             load_nibbles8(m_bytes + start / 2, cm, cnt, a.align_state);
             load_nibbles8(v_bytes + start / 2, cv, cnt, a.align_state);
-            const float m_absmax = q8_absmax_load(a.absmax[0][qblock]), vm = v_max[qblock];
 #pragma unroll
             for (int i = 0; i < kElems; ++i) {
                 s[1][i] = f.v_map[cv[i]] * vm;
-                s[0][i] = (f.m_map[cm[i]] * m_absmax) * sqrtf(s[1][i]);
+                s[0][i] = (f.m_map[cm[i]] * m_absmax) * (ok ? q8_sqrt_checked(s[1][i], *ok) : sqrtf(s[1][i]));
             }
+        };
+        bool ok = true;
+        inputs(&ok);
+        ok = apply_rule_checked(rule, p, g, s) && ok;
+        if (!__all_sync(0xFFFFFFFFu, ok)) {  // a division or root off its fast path: the warp's exact rerun
+            inputs(nullptr);
             apply_rule(rule, p, g, s);
-            store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
         }
+        store_param8(param + start, p, cnt, a.align_param, corr, list.stochastic, a.sr_key, a.sr_index + start);
         float local = 0.0f;
 #pragma unroll
         for (int i = 0; i < kElems; ++i)
             if (i < cnt) local = q8_absmax_step(local, s[1][i]);
         const float vmax = qblock_absmax(local, T, red);  // every thread takes part
         const float vs = q8_block_scale(vmax);
-        uint32_t cv[kElems], cm[kElems];
         float r[kElems];
+        // r = m / sqrt(v requantized), 0 where that root is 0 (then the quotient does not count)
+        auto ratios = [&](bool* ok) {
+#pragma unroll
+            for (int i = 0; i < kElems; ++i) {
+                cv[i] = count_below16(s_mid[1], 15, s[1][i] * vs);
+                const float v = f.v_map[cv[i]] * vmax;
+                bool exact = true;
+                const float root = ok ? q8_sqrt_checked(v, exact) : sqrtf(v);
+                const float q = ok ? q8_div_checked(s[0][i], root, exact) : s[0][i] / root;
+                r[i] = root > 0.0f ? q : 0.0f;
+                if (ok) *ok = *ok && (exact || !(root > 0.0f));
+            }
+        };
+        ok = true;
+        ratios(&ok);
+        if (!__all_sync(0xFFFFFFFFu, ok)) {  // the same, for the ratios
+            ratios(nullptr);
+        }
         local = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) {
-            cv[i] = count_below16(s_mid[1], 15, s[1][i] * vs);
-            const float root = sqrtf(f.v_map[cv[i]] * vmax);
-            const float q = s[0][i] / root;
-            r[i] = root > 0.0f ? q : 0.0f;
+        for (int i = 0; i < kElems; ++i)
             if (i < cnt) local = q8_absmax_step(local, r[i]);
-        }
         const uint16_t stored = q8_absmax_store(qblock_absmax(local, T, red));
         if (!live) return;  // after the last reduction
         if ((threadIdx.x & (T - 1)) == 0) {

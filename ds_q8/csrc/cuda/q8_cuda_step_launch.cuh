@@ -5,7 +5,9 @@
 
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -30,18 +32,27 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The persistent grid of a step kernel: as many CTAs as the device holds at once (its multiprocessors
 // times the kernel's occupancy at `threads` and `smem`), fewer when there are fewer tiles. Kernels whose
-// shared memory exceeds the default 48 KiB are allowed it first.
+// shared memory exceeds the default 48 KiB are allowed it first. Worked out once per kernel, device, CTA size
+// and shared memory, and kept: the runtime's answers do not change while the process lives.
 template <class Kernel>
 int64_t resident_ctas(Kernel kernel, int threads, size_t smem) {
-    int device = 0, sms = 0, per_sm = 0;
+    using Key = std::tuple<const void*, int, int, size_t>;
+    static std::mutex mu;
+    static std::map<Key, int64_t> known;
+    int device = 0;
     C10_CUDA_CHECK(cudaGetDevice(&device));
+    const Key key{reinterpret_cast<const void*>(kernel), device, threads, smem};
+    std::lock_guard<std::mutex> lock(mu);
+    const auto hit = known.find(key);
+    if (hit != known.end()) return hit->second;
+    int sms = 0, per_sm = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     if (smem > 48 * 1024)
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
     TORCH_CHECK(per_sm > 0, "a step kernel of ", threads, " threads and ", smem, " bytes of shared memory does not "
                 "fit a multiprocessor of this device");
-    return (int64_t)sms * per_sm;
+    return known[key] = (int64_t)sms * per_sm;
 }
 
 // The slots and first tiles of a launch in device memory: one buffer, copied from pinned host memory on
@@ -85,12 +96,16 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
         if (b.has_keys) {
             s.sr_key = (uint32_t)b.sr_keys[t];
             s.sr_index = b.sr_index[t];
+            for (int k = 0; k < K; ++k) s.state_key[k] = q8_state_key(s.sr_key, k);
         }
         if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
         if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
-        slots.push_back(s);
+        s.tensor = (int32_t)slots.size();
+        s.first_tile = (int32_t)tiles;
         first.push_back((int32_t)tiles);
         tiles += ceil_div(numel, tile);
+        s.end_tile = (int32_t)tiles;
+        slots.push_back(s);
         TORCH_CHECK_VALUE(tiles < INT32_MAX, "the step's tensors need more than ", INT32_MAX, " tiles of ", tile,
                           " elements: more than one launch holds");
     }
@@ -131,11 +146,18 @@ void launch_step(const StepBatch& b, const Rule& rule) {
         }
         return;
     }
+    // the maps: each state's kind, and a FloorTable in shared memory for each table map
+    bool minifloat = true;  // every state on the minifloat map of its rule's sign: no shared tables
+    int tables = 0;
     for (int k = 0; k < K; ++k) {
         list.code[k] = b.maps[k].data_ptr<float>();
         list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
+        list.map_kind[k] = b.map_kind[k];
+        list.table_slot[k] = (int8_t)(b.map_kind[k] == kMapTable ? tables++ : -1);
+        const bool is_signed = ((Rule::kSigned >> k) & 1u) != 0u;
+        minifloat = minifloat && b.map_kind[k] == (is_signed ? kMapMinifloatSigned : kMapMinifloatUnsigned);
     }
-    bool guided = true, any_guided = false;  // the default's rounding: its own kernel (step_kernel's kGuided)
+    bool guided = true, any_guided = false;  // the default's rounding: its own kernel (kCodecGuided)
     for (int k = 0; k < K; ++k) {
         guided = guided && list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
         any_guided = any_guided || list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
@@ -143,8 +165,10 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     TORCH_CHECK_VALUE(guided || !any_guided, "stochastic_states: the CUDA step takes guided rounding only as "
                       "state_rounding=\"guided\" gives it (", Q8_ROUND_GUIDED_CODE, ", by the old code, for every "
                       "state); mix nearest (", Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
-    if (guided) launch_lists(b, list, step_kernel<Rule, P, G, true>, rule, threads, K * sizeof(FloorTable));
-    else launch_lists(b, list, step_kernel<Rule, P, G, false>, rule, threads, K * sizeof(FloorTable));
+    if (!minifloat)
+        launch_lists(b, list, step_kernel<Rule, P, G, kCodecTables>, rule, threads, tables * sizeof(FloorTable));
+    else if (guided) launch_lists(b, list, step_kernel<Rule, P, G, kCodecGuided>, rule, threads, 0);
+    else launch_lists(b, list, step_kernel<Rule, P, G, kCodecRunTime>, rule, threads, 0);
 }
 
 
