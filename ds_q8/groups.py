@@ -10,11 +10,8 @@ from typing import Iterable, List, Optional
 
 from torch import nn
 
+from .embeddings import is_embedding_module
 from .optim.base import OPTIM_BITS_ATTR
-
-
-def _is_embedding(module: nn.Module) -> bool:
-    return isinstance(module, nn.Embedding)
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.0, embeddings_32bit: bool = True,
@@ -24,9 +21,11 @@ def param_groups(model: nn.Module, weight_decay: float = 0.0, embeddings_32bit: 
 
     * weights with decay, 8-bit state;
     * biases and normalisation parameters without decay, 8-bit state;
-    * embeddings (``nn.Embedding``, ``StableEmbedding``) and anything marked
+    * embeddings (``nn.Embedding``, ``nn.EmbeddingBag``, ``StableEmbedding``) and anything marked
       ``ds_q8_optim_bits = 32``, with ``optim_bits=32``, split again by decay.
 
+    With ``embeddings_32bit=False`` the embeddings join the 8-bit groups, which then say
+    ``embeddings_32bit: False`` (the optimizers' default keeps embeddings at 32 bits in any group).
     Tied weights appear once. Empty groups are dropped. ``lr``, when given, is set on each group.
     """
     seen = set()
@@ -34,7 +33,7 @@ def param_groups(model: nn.Module, weight_decay: float = 0.0, embeddings_32bit: 
     embedding_params = set()
     if embeddings_32bit:
         for module in model.modules():
-            if _is_embedding(module):
+            if is_embedding_module(module):
                 for p in module.parameters(recurse=True):
                     embedding_params.add(id(p))
     lowered = tuple(n.lower() for n in no_decay_names)
@@ -52,6 +51,8 @@ def param_groups(model: nn.Module, weight_decay: float = 0.0, embeddings_32bit: 
         g = {"params": params, "weight_decay": weight_decay if decay else 0.0}
         if bits == 32:
             g["optim_bits"] = 32
+        elif not embeddings_32bit:
+            g["embeddings_32bit"] = False
         if lr is not None:
             g["lr"] = lr
         groups.append(g)

@@ -98,7 +98,8 @@ def make_optimizer(variant: str, model, lr: float, cfg: Config):
     params = list(model.parameters())
     if kwargs is None:
         return torch.optim.Adam(params, lr=lr, betas=cfg.betas, foreach=False)
-    return ds_q8.Adam8bitBlock(params, lr=lr, betas=cfg.betas, **kwargs)
+    # the paper's 8-bit Adam: every tensor's state in 8 bits, the embeddings' too unless StableEmbedding marks them
+    return ds_q8.Adam8bitBlock(params, lr=lr, betas=cfg.betas, embeddings_32bit=False, **kwargs)
 
 
 def lr_at(step: int, peak: float, cfg: Config) -> float:

@@ -23,7 +23,10 @@ Optimizers:
                            R        any other state_rounding R by its name (stochastic, guided, ...)
                            Q        a quantization Q by its name (dynamic, dynamic6, minifloat, linear)
                            bsN      block_size=N (64-4096)
-                           emb32    32-bit state for the token and position embeddings
+                           emb32    32-bit state for the token and position embeddings, marked
+                                    ds_q8_optim_bits = 32 (what ds_q8.param_groups gives them)
+                           emb8     embeddings_32bit=False: the embeddings' state at the group's 8 bits
+                                    like every other tensor's (the default before embeddings_32bit)
                            4bit     optim_bits=4: both moments in 4 bits (ds_q8/format4.py)
                            fp32     optim_bits=32: AdamW's arithmetic in ds_q8's kernels on fp32 state,
                                     a 32-bit run that differs from torch's only in rounding (how far
@@ -56,7 +59,8 @@ The masters study (fp32 against bf16 masters at a low learning rate) is one comm
 
 (add ``ds_q8:bf16rn`` for bf16 masters rounded to nearest).
 
-All runs use AdamW's defaults (betas 0.9/0.999, eps 1e-8, weight decay 0.01), one intra-op thread.
+Every optimizer gets all of ``model.parameters()`` in one group, with AdamW's defaults (betas 0.9/0.999,
+eps 1e-8, weight decay 0.01 on every parameter), one intra-op thread.
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ from ablation import lr_at  # noqa: E402  (the ablation's schedule: linear warmu
 
 VOCAB = gpt_data.BYTE_VOCAB_SIZE
 SIM_CHANGES = ("nozp", "m32", "v32", "neg1", "sr", "srm", "srv", "emb32")  # and bsN, jitter[K]
-DS_Q8_CHANGES = ("nearest", "srv", "emb32", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN, jitter[K]
+DS_Q8_CHANGES = ("nearest", "srv", "emb32", "emb8", "4bit", "fp32", "amp", "bf16", "bf16rn", "bf16cb")  # and bsN, jitter[K]
 BF16_MASTERS = {"bf16": {}, "bf16rn": {"stochastic_rounding": False}, "bf16cb": {"correction_byte": True}}
 
 
@@ -306,6 +310,8 @@ def make_optimizer(name: str, model, lr: float, seed: int):
         if rounding is not None:
             masters["state_rounding"] = rounding
         masters.update({"quantization": c for c in changes if c in quantizations()})
+        if "emb8" in changes:
+            masters["embeddings_32bit"] = False
         return ds_q8.AdamW8bitBlock(params, lr=lr, block_size=block_size_of(changes, F.DEFAULT_BLOCK_SIZE),
                                     optim_bits=32 if "fp32" in changes else 4 if "4bit" in changes else 8,
                                     **masters)

@@ -23,7 +23,7 @@ systematically loses millions (4-bit states: 1.2 million of those 31 million).
     python launch/fidelity.py --optimizers lion8 lamb8 ademamix8 muon8  # the family against their 32-bit twins
 
 Optimizers: ``torch`` (torch.optim.AdamW, the reference, always run), ``ds_q8`` (AdamW8bitBlock at its
-defaults), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``ds_q8:R`` for a
+defaults, but with ``embeddings_32bit=False``: every matrix in 8 bits, the embeddings' too), ``ds_q8:bsN`` (block_size=N), ``ds_q8:4bit`` (``optim_bits=4``), ``ds_q8:R`` for a
 ``state_rounding`` R (``ds_q8:nearest``, ``ds_q8:stochastic``, ...), ``ds_q8:Q`` for a ``quantization`` Q
 (``ds_q8:dynamic6``), ``ds_q8:ref`` (``impl="reference"``),
 ``bnb`` (bitsandbytes' AdamW8bit, when installed). ``lion8``,
@@ -149,6 +149,8 @@ def make(name: str, lr: float, weight_decay: float, bits: int = 8) -> Callable:
     import ds_q8
 
     cls = ds_q8.AdamW8bitBlock if base == "ds_q8" else getattr(ds_q8, FAMILY[base])
+    # every matrix in the codec under study, the token embedding (and the head tied to it) included
+    options.setdefault("embeddings_32bit", False)
     if base == "muon8":  # the matrices' momentum under Muon's rate, the rest under AdamW's
         return lambda ps: cls(ps, muon_lr=MUON_LR, adam_lr=lr, weight_decay=weight_decay, optim_bits=bits, **options)
     options.setdefault("optim_bits", bits)

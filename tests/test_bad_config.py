@@ -45,6 +45,8 @@ INVALID = {
     "state_rounding": [("up", "state_rounding must be one of ('guided', 'stochastic', 'stochastic_unsigned', 'nearest')"),
                        (None, "state_rounding must be one of")],
     "impl": [("cuda", "impl must be one of ('auto', 'kernel', 'reference')"), (None, "impl must be one of")],
+    "embeddings_32bit": [("yes", "embeddings_32bit must be true or false"), (1, "embeddings_32bit must be true or false"),
+                         (None, "embeddings_32bit must be true or false")],
     "sr_seed": [(-1, "sr_seed must be an integer in [0, 4294967295]"), (2 ** 32, "sr_seed must be an integer"),
                 (1.0, "sr_seed must be an integer"), (True, "sr_seed must be an integer")],
     "t_alpha": [(0, "t_alpha must be null (no warm-up) or an integer >= 1"), (2.5, "t_alpha must be null"),

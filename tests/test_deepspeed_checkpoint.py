@@ -186,6 +186,7 @@ def test_muon_state_bytes_are_the_estimate_per_rank(flow):
     groups = [[64 * 32, 32 * 128, 128 * 128, 128 * 64], [128, 128, 128, 128, 64]]
     assert tuple(map(sum, groups)) == GROUP_SIZES["mu2"]
     measured = [r["total"] for r in flow["a"]["mu2"]["state_bytes"]]
+    # the embedding (the first matrix) keeps 32-bit state: embeddings_32bit, the default, in a Muon group too
     predicted = [estimate_state_bytes(groups, 2, 2, "Muon8bitBlock", block_size=BLOCK, min_8bit_size=1024, rank=r,
-                                      group_states=[1, 2]) for r in (0, 1)]
+                                      group_states=[1, 2], param_bits=[[32, 8, 8, 8], [8] * 5]) for r in (0, 1)]
     assert measured == predicted

@@ -25,6 +25,9 @@ BF16_MASTER_VARIANTS = {"s1_bf16m": (1, {}), "s2_bf16m": (2, {}), "s3_bf16m": (3
                         "s2_bf16m_off": (2, {"zero": OFFLOAD}), "s3_bf16m_off": (3, {"zero": OFFLOAD})}
 # parameter sizes of tests/ds_scripts/train.py's TinyLM, in ds_q8.param_groups order
 ALL_PARAMS = [[2048, 4096, 128, 16384, 128, 128, 128, 8192, 64]]
+# the embedding (the first) keeps 32-bit state by default (embeddings_32bit), wherever its partition falls
+EMB_BITS = [[32, 8, 8, 8, 8, 8, 8, 8, 8]]
+EMB8 = {"embeddings_32bit": False}
 
 
 def _jobs():
@@ -38,6 +41,8 @@ def _jobs():
         {"name": "noclip_s0", "steps": 2, "config": config(0, gradient_clipping=0.0)},
         {"name": "momentum_s2", "steps": STEPS, "config": config(2, "Momentum8bitBlock", lr=0.1)},
         {"name": "sched_s2", "steps": STEPS, "config": config(2, scheduler=WARMUP)},
+        *[{"name": f"emb8_s{stage}", "steps": 2, "config": config(stage, opt_params=EMB8)} for stage in (0, 1, 2, 3)],
+        {"name": "emb8_s2_off", "steps": 2, "config": config(2, opt_params=EMB8, zero=OFFLOAD)},
         {"name": "groups_s2", "steps": STEPS, "param_groups": True, "config": config(2)},
         {"name": "groups_s3", "steps": STEPS, "param_groups": True, "config": config(3)},
         *[{"name": f"q8_{name}", "steps": STEPS, "config": config(stage, bf16=BF16_MASTER, **extra)}
@@ -87,8 +92,8 @@ def test_each_rank_holds_only_its_partition(results, variant):
     stage = VARIANTS[variant][0]
     q8, ref = results[f"q8_{variant}"], results[f"ref_{variant}"]
     per_rank = [b["total"] for b in q8["state_bytes"]]
-    assert per_rank == [estimate_state_bytes(ALL_PARAMS, stage, 2, block_size=256, min_8bit_size=1024, rank=r)
-                        for r in (0, 1)]
+    assert per_rank == [estimate_state_bytes(ALL_PARAMS, stage, 2, block_size=256, min_8bit_size=1024, rank=r,
+                                             param_bits=EMB_BITS) for r in (0, 1)]
     # the two ranks together hold one copy of everything, plus a second absmax (one float per state)
     # for each block that a partition edge cuts: at most one at stages 1-2, one per parameter at stage 3
     whole = results["q8_s0"]["state_bytes"][0]["total"]
@@ -100,10 +105,33 @@ def test_each_rank_holds_only_its_partition(results, variant):
 
 def test_stage0_keeps_small_tensors_fp32(results):
     q8 = results["q8_s0"]
-    expected = estimate_state_bytes(ALL_PARAMS, 0, 2, block_size=256, min_8bit_size=1024)
+    expected = estimate_state_bytes(ALL_PARAMS, 0, 2, block_size=256, min_8bit_size=1024, param_bits=EMB_BITS)
     assert [b["total"] for b in q8["state_bytes"]] == [expected, expected]
     dtypes = {numel: dt for numel, dt in q8["state_entries"]}
-    assert dtypes[16384] == "uint8" and dtypes[128] == "float32"
+    assert dtypes[16384] == "uint8" and dtypes[128] == "float32" and dtypes[2048] == "float32"
+
+
+@pytest.mark.parametrize("variant", ["s0", "s1", "s2", "s3", "s2_off"])
+def test_embeddings_keep_32bit_state_from_model_parameters_unless_asked(results, variant):
+    """model.parameters() under the JSON type: the embedding keeps 32-bit state by default and the group's 8 bits
+    with embeddings_32bit=false, the same choice on both ranks at every stage (per-rank bytes as predicted)."""
+    stage = VARIANTS[variant][0]
+    for name, bits in ((f"q8_{variant}", EMB_BITS), (f"emb8_{variant}", None)):
+        assert results[name]["embedding_marks"][0] == "emb.weight"  # deepspeed.initialize marked it by name
+        assert [b["total"] for b in results[name]["state_bytes"]] == [
+            estimate_state_bytes(ALL_PARAMS, stage, 2, block_size=256, min_8bit_size=1024, rank=r, param_bits=bits)
+            for r in (0, 1)]
+    assert results[f"q8_{variant}"]["state_bytes"] != results[f"emb8_{variant}"]["state_bytes"]
+
+
+def test_the_log_says_once_which_embeddings_keep_32bit_state(results):
+    lines = [line for r in results.values() for line in r.get("ds_q8_log", [])]
+    # rank 0 logs it once per process and optimizer class: every job of this file runs in the same two processes
+    owners = sorted(line.split()[1] for line in lines)
+    assert owners == ["Adam8bitBlock", "AdamW8bitBlock", "Momentum8bitBlock"], lines
+    for line in lines:
+        assert "keeps 32-bit state for 1 embedding parameter(s) (emb.weight [64, 32]; 2,048 elements" in line
+        assert "embeddings_32bit=False" in line
 
 
 @pytest.mark.parametrize("name,optimizer", [("adamw_s2", "AdamW8bitBlock"), ("momentum_s2", "Momentum8bitBlock")])

@@ -106,7 +106,8 @@ def test_no_second_moment_with_a_gradient_history_is_stored_as_zero(text):
     torch.set_num_threads(2)
     torch.manual_seed(0)
     model = fidelity.build("gpt2", 128, 2, CONTEXT, 0)
-    opt = ds_q8.AdamW8bitBlock(model.parameters(), lr=LR, impl="kernel")
+    # every matrix in 8 bits, the token embedding's too: its rarely seen rows are the test's hardest case
+    opt = ds_q8.AdamW8bitBlock(model.parameters(), lr=LR, impl="kernel", embeddings_32bit=False)
     seen = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
     for step in range(STEPS):
         x, y = gpt_data.get_batch(text, BATCH, CONTEXT, 0, 0, step)

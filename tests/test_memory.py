@@ -43,10 +43,18 @@ def test_muon_estimate_counts_one_state_for_matrices_and_two_for_the_rest():
     opt.step()
     muon = [p.numel() for n, p in named if p.ndim == 2 and n != "0.weight"]
     adam = [p.numel() for n, p in named if not (p.ndim == 2 and n != "0.weight")]
+    # the embedding keeps 32-bit state (embeddings_32bit, the default)
+    adam_bits = [32 if n == "0.weight" else 8 for n, p in named if not (p.ndim == 2 and n != "0.weight")]
     predicted = estimate_state_bytes([muon, adam], 0, 1, "Muon8bitBlock", block_size=256, min_8bit_size=1000,
-                                     group_states=[1, 2])
+                                     group_states=[1, 2], param_bits=[[8] * len(muon), adam_bits])
     assert measured_state_bytes(opt)["total"] == predicted
-    assert predicted == (40 * 120 + 2 * 19) + (120 * 40 + 2 * 19) + 2 * (300 * 40 + 2 * 47) + 2 * 4 * (120 + 240 + 40)
+    assert predicted == (40 * 120 + 2 * 19) + (120 * 40 + 2 * 19) + 2 * 4 * (300 * 40) + 2 * 4 * (120 + 240 + 40)
+    eight = ds_q8.Muon8bitBlock(model.parameters(), block_size=256, min_8bit_size=1000, embeddings_32bit=False)
+    model(torch.randint(0, 300, (2, 5))).sum().backward()
+    eight.step()
+    assert measured_state_bytes(eight)["total"] == estimate_state_bytes(
+        [muon, adam], 0, 1, "Muon8bitBlock", block_size=256, min_8bit_size=1000, group_states=[1, 2]) == \
+        (40 * 120 + 2 * 19) + (120 * 40 + 2 * 19) + 2 * (300 * 40 + 2 * 47) + 2 * 4 * (120 + 240 + 40)
     groups, states = gpt2_muon_groups(12, 768)
     assert sum(map(sum, groups)) == sum(map(sum, gpt2_param_groups(12, 768))) and states == [2, 1, 2]
     with pytest.raises(ValueError, match="group_states"):

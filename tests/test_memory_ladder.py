@@ -14,14 +14,17 @@ pytestmark = pytest.mark.multirank
 
 BF16 = {"enabled": True}
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
+# the prediction takes bits per group, and these engines get one group (model.parameters()): the tiny model's
+# embedding, which would keep 32-bit state by default, is asked for the group's bits
+EMB8 = {"embeddings_32bit": False}
 RUNGS = {  # rung -> DeepSpeed config of the tiny model
     "a": config(2, "Adam", opt_params={"adam_w_mode": False}, bf16=BF16),
     "b": config(2, "Adam", opt_params={"adam_w_mode": False}, bf16=dict(MASTERS, bf16_optimizer_states=True)),
-    "c": config(2, bf16=BF16),
-    "d": config(2, bf16=MASTERS),  # run with DeepSpeed's copies (share_masters: False)
-    "e": config(2, bf16=MASTERS),  # the same config as users write it
-    "f": config(2, bf16=MASTERS, opt_params={"correction_byte": True}),  # and a correction byte per master
-    "g": config(2, bf16=MASTERS, opt_params={"optim_bits": 4}),  # and 4-bit moments
+    "c": config(2, bf16=BF16, opt_params=EMB8),
+    "d": config(2, bf16=MASTERS, opt_params=EMB8),  # run with DeepSpeed's copies (share_masters: False)
+    "e": config(2, bf16=MASTERS, opt_params=EMB8),  # the same config as users write it
+    "f": config(2, bf16=MASTERS, opt_params=dict(EMB8, correction_byte=True)),  # and a correction byte per master
+    "g": config(2, bf16=MASTERS, opt_params=dict(EMB8, optim_bits=4)),  # and 4-bit moments
 }
 
 

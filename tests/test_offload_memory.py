@@ -16,12 +16,15 @@ pytestmark = pytest.mark.multirank
 OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
 BF16 = {"enabled": True}
 MASTERS = {"enabled": True, "bf16_master_weights_and_grads": True}
+# the prediction takes bits per group, and these engines get one group (model.parameters()): the models'
+# embeddings, which would keep 32-bit state by default, are asked for the group's bits
+EMB8 = {"embeddings_32bit": False}
 ROWS = {  # row -> (optimizer type, bf16 section, optimizer params)
     "deepspeed": ("AdamW", BF16, {}),
     "deepspeed_bf16": ("AdamW", dict(MASTERS, bf16_optimizer_states=True), {}),
-    "q8": ("AdamW8bitBlock", BF16, {}),
-    "q8_bf16": ("AdamW8bitBlock", MASTERS, {}),
-    "q8_bf16_correction": ("AdamW8bitBlock", MASTERS, {"correction_byte": True}),
+    "q8": ("AdamW8bitBlock", BF16, EMB8),
+    "q8_bf16": ("AdamW8bitBlock", MASTERS, EMB8),
+    "q8_bf16_correction": ("AdamW8bitBlock", MASTERS, dict(EMB8, correction_byte=True)),
 }
 STAGES = (2, 3)
 HIDDEN = 127  # 30,941 parameters: at two ranks partitions cut parameters and blocks, the last one ends in padding
@@ -55,7 +58,7 @@ def _refusal(name, stage, zero):
 
 GPT2 = {"gpt2": [4, 512], "steps": 2, "host_states": True,
         "config": config(2, "AdamW8bitBlock", bf16=MASTERS, zero=OFFLOAD, gradient_accumulation_steps=1,
-                         opt_params={"block_size": 64, "min_8bit_size": 4096})}
+                         opt_params=dict(EMB8, block_size=64, min_8bit_size=4096))}
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@
 * ``zero_layout``: which parameter slices each ZeRO partition holds, and per-parameter state access;
 * ``universal``: convert a ZeRO checkpoint so DeepSpeed's universal-checkpoint tools accept it;
 * ``grad_norm``: answer the non-finite check with the gradient norm DeepSpeed computed;
+* ``embedding_marks``: mark the embeddings of the model ``deepspeed.initialize`` is given (32-bit state by default);
 * ``patches``: every place the modules above attach to DeepSpeed, in one table, installed once;
 * ``entry``: when the table is installed: the first ``deepspeed.initialize`` that meets a ds_q8 optimizer;
 * ``contract``, ``supported``: the DeepSpeed releases supported, and the one error for a release that

@@ -27,8 +27,8 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, List, Sequence, Tuple
 
-from . import (checkpoint_files, contract, engine_checks, engine_hooks, entry, grad_norm, host_copies, muon_tags,
-               shared_masters, universal, zero_layout)
+from . import (checkpoint_files, contract, embedding_marks, engine_checks, engine_hooks, entry, grad_norm, host_copies,
+               muon_tags, shared_masters, universal, zero_layout)
 from .lookup import optimizer_classes
 
 BEFORE, AFTER, REPLACE, SET, APPEND, PER_ENGINE = "before", "after", "replace", "set", "append", "per-engine"
@@ -151,6 +151,10 @@ PATCHES: Tuple[Patch, ...] = (
     Patch("deepspeed:set_optimizer_flags", REPLACE, muon_tags._tag_for_muon8bit,
           "deepspeed.initialize tags use_muon (2-D, not embed/lm_head) only for \"type\": \"Muon\"; tag the same "
           "way for Muon8bitBlock"),
+    Patch("deepspeed:set_optimizer_flags", REPLACE, embedding_marks._mark_embeddings,
+          "mark the embedding parameters of the model deepspeed.initialize was given, by name, before the engine "
+          "builds the optimizer: they keep 32-bit state by default (embeddings_32bit), also for a model built "
+          "before import ds_q8"),
     Patch(f"{_STAGE12}._is_muon_group", REPLACE, muon_tags._is_muon_group,
           "ZeRO-1/2 runs DeepSpeed's own fp32 Muon for any optimizer named *muon* whose parameters carry "
           "use_muon; Muon8bitBlock does the whole step itself"),

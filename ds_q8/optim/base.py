@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from .. import embeddings
 from . import nonfinite as NF
 from . import codec_versions, state_io, telemetry
 from . import step as S
@@ -94,7 +95,10 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
         #: the last step's plan, reused while it holds (``plan.py``)
         self._plan = None
+        self._built = False  # until then add_param_group leaves the embeddings' log line to the constructor
         super().__init__(params, dict(options, **defaults))
+        self._built = True
+        self._note_embeddings(self.param_groups)
 
     def rule_for(self, group: dict) -> Rule:
         """The rule that steps ``group``'s tensors (the class's :attr:`rule`, unless overridden).
@@ -161,6 +165,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     # ------------------------------------------------------------------ hyperparameters
     def add_param_group(self, param_group: dict) -> None:
         self._plan = None
+        if isinstance(param_group, dict) and param_group.get("optim_bits") in (4, 8):
+            # a group that chose its own bits gets them for its embeddings too, unless it says otherwise
+            param_group.setdefault("embeddings_32bit", False)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -171,6 +178,16 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         self.tensors.given_ids.update(id(p) for p in group["params"])
+        if getattr(self, "_built", True):
+            self._note_embeddings([group])
+
+    def _note_embeddings(self, groups) -> None:
+        """Log once which embedding parameters keep 32-bit state by ``embeddings_32bit`` (``ds_q8.embeddings``)."""
+        kept = embeddings.kept_at_32bit(groups)
+        if kept:
+            ids = {id(p) for p in kept}
+            states = max(self.rule_for(g).num_states for g in groups if any(id(p) in ids for p in g["params"]))
+            embeddings.note_kept(type(self).__name__, kept, states)
 
     def _check_group(self, group: dict) -> None:
         """Validate optimizer-specific hyperparameters (override)."""

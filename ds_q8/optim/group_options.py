@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pieces.py imports nothing of this module; the name is for t
 #: the others are each group's)
 OPTIONS = dict(block_size=F.DEFAULT_BLOCK_SIZE, min_8bit_size=F.DEFAULT_MIN_8BIT_SIZE, optim_bits=8,
                quantization="minifloat", stochastic_rounding=None, sr_seed=0, state_rounding="guided",
-               correction_byte=False, impl="auto", nonfinite="skip")
+               correction_byte=False, impl="auto", embeddings_32bit=True, nonfinite="skip")
 QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 #: how the states are requantized after each step: every state guided (stochastically while the value
 #: stays next to its old code, where nearest could stall it, else to nearest), every state stochastically, only the unsigned
@@ -34,7 +34,8 @@ IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 def check_common_group(group: dict) -> None:
     """The settings every ds_q8 group has: lr, block_size, min_8bit_size, optim_bits, quantization,
-    stochastic rounding of parameters and of states, and impl."""
+    stochastic rounding of parameters and of states, impl and embeddings_32bit (which tensors keep fp32
+    state is decided in ``tensor_states.uses_8bit``)."""
     check_range("lr", group["lr"], 0.0, math.inf)
     if group["block_size"] is not None:
         try:
@@ -74,6 +75,10 @@ def check_common_group(group: dict) -> None:
     seed = group["sr_seed"]
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 32:
         raise ValueError(f"sr_seed must be an integer in [0, 4294967295], got {seed!r}")
+    embeddings = group.get("embeddings_32bit", False)
+    if not isinstance(embeddings, bool):
+        raise ValueError("embeddings_32bit must be true or false (true: the parameters of nn.Embedding modules keep "
+                         f"32-bit state; false: the group's optim_bits), got {embeddings!r}")
 
 
 #: the rules whose states ``optim_bits=4`` can hold: Adam's first and second moment (``format4.py``)

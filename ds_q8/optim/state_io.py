@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .layout import StateLayout
 from .qstate import QuantizedState
 from .state_keys import CORRECTION_KEY, storage_keys
 from .rules import Rule
@@ -268,6 +269,14 @@ def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict,
         if len(desc["segments"]) == 1 and len(layout.segments) == 1 and list(desc["shape"]) != list(layout.shape):
             raise ValueError(f"checkpoint state has shape {tuple(desc['shape'])} but the parameter has shape "
                              f"{tuple(layout.shape)}: the checkpoint belongs to another model")
+        if _only_bits_differ(desc, layout):
+            changed = [f"{b.name or f'a parameter of {b.param_numel} elements'} ({'8' if a.eight_bit else '32'}-bit "
+                       f"there, {'8' if b.eight_bit else '32'}-bit here)"
+                       for a, b in zip(StateLayout.segments_of(desc), layout.segments) if a.eight_bit != b.eight_bit]
+            raise ValueError(
+                f"checkpoint state was written with other state bits for {', '.join(changed)}: other optim_bits, "
+                "min_8bit_size or embeddings_32bit. A checkpoint written before embeddings_32bit existed keeps "
+                "embeddings in 8 bits: build the optimizer with embeddings_32bit=False to resume it")
         raise ValueError(
             "checkpoint state was written for another partitioning of the parameters (another ZeRO stage or "
             f"world size, or other min_8bit_size/optim_bits): saved {len(desc['segments'])} segment(s) over "
@@ -276,6 +285,16 @@ def _check_saved(opt, st: dict, p: torch.Tensor, saved_group: dict, group: dict,
             "CKPT/TAG_universal, then load it with \"checkpoint\": {\"load_universal\": true}")
     QuantizedState({}, layout, rule.state_signed, group["quantization"]).check_saved(
         st, f"a tensor of shape {tuple(p.shape)}", type(opt).__name__)
+
+
+def _only_bits_differ(desc: dict, layout: StateLayout) -> bool:
+    """Whether a saved layout covers the same slices as ``layout`` and differs in 8/32-bit choices only."""
+    saved = StateLayout.segments_of(desc)
+    if list(desc.get("shape", [])) != list(layout.shape) or len(saved) != len(layout.segments):
+        return False
+    same = [(a.start, a.numel, a.param_start, a.param_numel) == (b.start, b.numel, b.param_start, b.param_numel)
+            for a, b in zip(saved, layout.segments)]
+    return all(same) and any(a.eight_bit != b.eight_bit for a, b in zip(saved, layout.segments))
 
 
 # ---------------------------------------------------------------------------- fp32 state written by loaders

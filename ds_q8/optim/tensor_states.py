@@ -17,12 +17,23 @@ from .qstate import QuantizedState
 
 #: parameter attribute that asks for 32-bit state for that tensor (set by StableEmbedding)
 OPTIM_BITS_ATTR = "ds_q8_optim_bits"
+#: parameter attribute that says an embedding module registered the tensor; its value names it (``ds_q8.embeddings``)
+EMBEDDING_ATTR = "ds_q8_embedding"
+
+
+def keeps_embeddings_32bit(group: dict) -> bool:
+    """Whether ``group`` keeps its embeddings' state in 32 bits (``embeddings_32bit``). A group saved before
+    the option existed has no such key: its embeddings kept 8-bit state, and a resumed run keeps them so."""
+    return bool(group.get("embeddings_32bit", False))
 
 
 def uses_8bit(param: torch.Tensor, group: dict, numel: Optional[int] = None) -> bool:
-    """Whether an original parameter keeps 8-bit state: judged on its full size, its group and its
-    ``ds_q8_optim_bits`` mark, never on the size of a partition that holds part of it."""
+    """Whether an original parameter keeps 8-bit state: judged on its full size, its group (``optim_bits``,
+    ``min_8bit_size``, ``embeddings_32bit``), its ``ds_q8_optim_bits`` mark and its embedding mark, never
+    on the size of a partition that holds part of it."""
     if getattr(param, OPTIM_BITS_ATTR, None) == 32:
+        return False
+    if keeps_embeddings_32bit(group) and getattr(param, EMBEDDING_ATTR, None) is not None:
         return False
     n = param.numel() if numel is None else numel
     return group["optim_bits"] in (4, 8) and n >= group["min_8bit_size"]
@@ -122,4 +133,4 @@ class TensorStates:
         return qs
 
 
-__all__ = ["TensorStates", "uses_8bit", "state_bits_of", "OPTIM_BITS_ATTR"]
+__all__ = ["TensorStates", "uses_8bit", "state_bits_of", "keeps_embeddings_32bit", "OPTIM_BITS_ATTR", "EMBEDDING_ATTR"]

@@ -10,6 +10,7 @@ Rank 0 writes {job name: record} to --out. Starting DeepSpeed once for many jobs
 """
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -25,6 +26,15 @@ from ds_q8.integration import grad_norm, host_copies, shared_masters
 from ds_q8.model_states import measure_model_states, measured_state_bytes, watch_model_states
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
+LOG_LINES = []  # what ds_q8 logged in this process (the embeddings' line), kept for each job's record
+
+
+class _KeepLines(logging.Handler):
+    def emit(self, record):
+        LOG_LINES.append(record.getMessage())
+
+
+logging.getLogger("ds_q8").addHandler(_KeepLines())
 
 
 class TinyLM(nn.Module):
@@ -112,6 +122,7 @@ def run_job(job, rank, world):
     shared_masters.ENABLED = host_copies.ENABLED = job.get("share_masters", True)
     params = ds_q8.param_groups(model, weight_decay=0.01) if job.get("param_groups") else model.parameters()
     rec = {}
+    logged = len(LOG_LINES)
     phase = "initialize"
     try:
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=job["config"])
@@ -168,7 +179,8 @@ def run_job(job, rank, world):
     rec.update(losses=losses, lrs=lrs, optimizer=name, state_dtypes=kinds, state_steps=steps, state_bytes=by_rank,
                state_entries=entries, stepped_dtypes=stepped, model_states=model_states,
                param_sizes=[getattr(p, "ds_numel", p.numel()) for p in model.parameters()],  # whole under ZeRO-3
-               params_bits=_bits_digest(model))
+               params_bits=_bits_digest(model), ds_q8_log=LOG_LINES[logged:],
+               embedding_marks=[getattr(p, "ds_q8_embedding", None) for p in model.parameters()])
     if hasattr(engine, "destroy"):
         engine.destroy()
     return rec
