@@ -75,7 +75,7 @@ def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers)
 #: below what the default (every state guided by its old code, on the minifloat maps) measures, 0.99962,
 #: 0.99927 and 0.99962 on an AMD EPYC with AVX-512, and above the default
 #: before it (dynamic6: 0.99940, 0.99859 and 0.99963 there and on an Intel Xeon) at 768 and above
-#: bitsandbytes' AdamW8bit (0.99921, 0.99825, 0.99864) everywhere (docs/results.md, "Minifloat maps" and
+#: bitsandbytes' AdamW8bit (0.99921, 0.99825, 0.99864) everywhere (docs/history.md, "Minifloat maps" and
 #: "The same bits on an AMD EPYC with AVX-512"). The lowest cosine is where a rounding rule's noise and a
 #: map's coarseness show; the 8-step check above is too short to see them.
 HORIZON_STEPS, HORIZON_BATCH, HORIZON_DECAY = 25, 16, 0.1
