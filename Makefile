@@ -1,6 +1,6 @@
 # Two commands from a bare machine with Python 3.9+ and make:
 #   make demo       the main job (launch/compare.py): nine short GPT trainings, a report and a plot
-#   make test       the whole test suite
+#   make test       the whole test suite (tests/, gpu_check/tests/, studies/tests/: pytest.ini's testpaths)
 #   make test-fast  the tests without multi-rank DeepSpeed launches and slow builds (a few minutes)
 #   make test-gpu   the tests that need a CUDA GPU (they skip without one)
 # Each creates .venv and installs the project into it the first time (a CUDA 13.0 build of torch,
@@ -33,10 +33,10 @@ demo: $(STAMP)
 
 # one pytest-xdist worker per core, each taking whole modules (their fixtures are shared by their tests)
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=40 tests
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=40
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow and not multirank" tests
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow and not multirank"
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -rs -m gpu tests
+	$(PY) -m pytest -q -rs -m gpu

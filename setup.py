@@ -67,7 +67,7 @@ setup(
     ],
     extras_require={
         "deepspeed": [DEEPSPEED],
-        # launch/: training, reports and launchers
+        # launch/ (training, the main job's report, launchers) and the studies/ and gpu_check/ scripts
         "train": [DEEPSPEED, "transformers>=4.40", "tqdm", "matplotlib", "mpi4py"],
         "test": ["pytest", "pytest-timeout==2.4.0", "pytest-xdist==3.8.0", "hypothesis", "accelerate"],
     },

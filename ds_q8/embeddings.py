@@ -4,7 +4,7 @@ which of them keep 32-bit state.
 An embedding row gets a gradient only at the steps whose batch holds its token, and that gradient is
 small beside the rows of frequent tokens in its block: 8-bit state serves such rows badly. On a byte-level
 GPT-2 (width 128, constant lr 4e-3) the 8-bit state of the token and position embeddings alone held
-some seeds on a loss plateau that 32-bit state leaves (``launch/results/convergence/embeddings_*.json``).
+some seeds on a loss plateau that 32-bit state leaves (``studies/results/convergence/embeddings_*.json``).
 So every group keeps its embeddings' state in 32 bits by default (the group option ``embeddings_32bit``),
 also when the optimizer is given ``model.parameters()``, which carries no module.
 

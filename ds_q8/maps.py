@@ -83,7 +83,7 @@ def create_dynamic6_map() -> torch.Tensor:
     of the block maximum (the dynamic map: 5.5e-7). Within a 64-element block a first moment rarely sits
     that far below the block's largest; the entries given up there make the step between neighbouring
     entries from 0.1 to 1 of the maximum, where most first moments lie, 11% smaller. Measured, GPT-2's
-    updates stay closer to 32-bit's (docs/results.md, "Requantization over 25 steps, and a map for the
+    updates stay closer to 32-bit's (docs/history.md, "Requantization over 25 steps, and a map for the
     first moment")."""
     key = ("dynamic6", True, 8)
     if key not in _map_cache:
@@ -155,7 +155,7 @@ def create_minifloat_map(signed: bool = True) -> torch.Tensor:
     2.5% at half of it, 7.8% a decade below it and 18% two decades below. Adam's update divides each
     first moment by its own scale, so a moment a decade under its block's largest counts as much as the
     largest; over 25 steps of GPT-2 the updates on these maps stay closer to 32-bit's than on "dynamic6"
-    (docs/results.md, "Minifloat maps"). Where a state's values sit within a decade of their block's
+    (docs/history.md, "Minifloat maps"). Where a state's values sit within a decade of their block's
     maximum, the dynamic maps' top decade is the finer (Adagrad8bitBlock and RMSprop8bitBlock keep
     "dynamic6" by default for that). The kernels code these two maps from a float's bits, without tables
     (:class:`MinifloatCodec`)."""

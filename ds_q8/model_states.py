@@ -1,6 +1,6 @@
 """Model states (parameters, gradients, masters, master gradients, optimizer state) counted on a live
 DeepSpeed engine, to check the ladder that ``python -m ds_q8.memory --ladder`` predicts
-(``memory.predict_model_states``; ``launch/xl_memory.py``, ``tests/test_memory_ladder.py``):
+(``memory.predict_model_states``; ``studies/xl_memory.py``, ``tests/test_memory_ladder.py``):
 :func:`measure_model_states` reads the optimizer's own tensors, :func:`watch_model_states` counts every
 storage reachable from the engine, once, after backward and while the optimizer steps.
 :func:`measured_state_bytes` counts the optimizer state alone (``memory.estimate_state_bytes`` predicts it).

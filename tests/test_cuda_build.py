@@ -13,7 +13,7 @@ from ds_q8 import functional as F
 from ds_q8.optim import rules
 from ds_q8.op_builder import Q8CUDABuilder
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "launch"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gpu_check"))
 import ptxas_report  # noqa: E402
 
 from helpers.compare import DTYPES, RULES, assert_quantization_matches, assert_same_bits, assert_same_run, run_both
@@ -144,7 +144,7 @@ def test_cuda_quantize_dequantize_match_reference(dtype):
 
 def test_kernels_keep_every_array_in_registers(built):
     """ptxas reports a 0-byte stack frame and no spills for every kernel: read from the build's log, or
-    where the build was cached, from launch/ptxas_report.py compiling the kernels again."""
+    where the build was cached, from gpu_check/ptxas_report.py compiling the kernels again."""
     from ds_q8.op_builder.cuda import use_cuda_home
 
     rows = ptxas_report.parse(built[1])
@@ -154,7 +154,7 @@ def test_kernels_keep_every_array_in_registers(built):
     if not use_cuda_home():
         pytest.skip("no CUDA toolkit (nvcc) found; set CUDA_HOME")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, os.path.join(root, "launch", "ptxas_report.py")], capture_output=True,
+    proc = subprocess.run([sys.executable, os.path.join(root, "gpu_check", "ptxas_report.py")], capture_output=True,
                           text=True, cwd=root)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]

@@ -4,8 +4,8 @@ README.md and docs/*.md are read as text (nothing is imported or run): the READM
 ``README_MAX_LINES`` lines; every relative link must reach a file of this checkout, and a link with
 ``#anchor`` a heading of its target (GitHub's anchors); every
 ``python -m MODULE`` must name a module of this project (or one of the few outside tools in
-``EXTERNAL_MODULES``); every ``launch/...``, ``ds_configs/...``, ``tests/...`` and ``ds_q8/...`` path
-must exist. A failure names the file, the line and what is missing.
+``EXTERNAL_MODULES``); every ``launch/...``, ``gpu_check/...``, ``studies/...``, ``ds_configs/...``, ``tests/...`` and
+``ds_q8/...`` path must exist. A failure names the file, the line and what is missing.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ _IMAGE = re.compile(r"!\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 _MODULE = re.compile(r"\bpython3?\s+-m\s+([A-Za-z_][\w.]*)")
-_PATH = re.compile(r"(?<![\w./$<>-])((?:launch|ds_configs|tests|ds_q8|docs)/[\w./-]*)")
+_PATH = re.compile(r"(?<![\w./$<>-])((?:launch|gpu_check|studies|ds_configs|tests|ds_q8|docs)/[\w./-]*)")
 _HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
 
 

@@ -166,16 +166,6 @@ def test_tree_map_builds_the_dynamic_maps():
         F.tree_map([64, 0])
 
 
-def test_map_study_builds_the_library_maps():
-    from helpers.train import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
-    import map_study
-
-    assert torch.equal(map_study.signed_map([64, 32, 16, 8, 4, 2, 1]), F.create_dynamic_map(True))
-    assert torch.equal(map_study.signed_map(list(F.DYNAMIC6_COUNTS)), F.create_dynamic6_map())
-    with pytest.raises(ValueError, match="127 positive entries"):
-        map_study.signed_map([64, 32])
-
-
 def test_map_is_returned_as_a_copy():
     a = F.create_dynamic_map()
     a.zero_()

@@ -2,7 +2,7 @@
 {1, 7, bs-1, bs+1, 3bs+7}, every rule, every dtype pair, float32 states, 4-bit states, offset views, a side
 stream, the skip flag, (de)quantize, and one tensor of 2^31+4099 elements.
 
-All are marked ``gpu``: launch/gpu_check.sh's correctness stage runs them (``pytest -m gpu``), and
+All are marked ``gpu``: gpu_check/gpu_check.sh's correctness stage runs them (``pytest -m gpu``), and
 without a GPU they skip. ``--kernel-device cpu`` runs them on the CPU op instead, to try them without a
 GPU (the stream and skip-flag tests are CUDA's and skip there).
 """

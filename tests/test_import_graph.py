@@ -1,5 +1,6 @@
-"""No module of ds_q8 imports itself back, however indirectly; no test imports another test module, and
-no launch script imports anything from tests/.
+"""No module of ds_q8 imports itself back, however indirectly; no test imports another test module; no
+script of launch/, gpu_check/ or studies/ imports anything from tests/; neither ds_q8 nor its tests
+(tests/) import a study (studies/), and the scripts import each other without a cycle.
 
 A cycle works only as long as every module on it imports the others lazily or after its own names
 exist; moving one import to the top of a file then fails at import time, in an order that depends on
@@ -20,6 +21,11 @@ from typing import Dict, List, Set
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "ds_q8"
 TESTS = REPO / "tests"
+STUDIES = REPO / "studies"
+#: the folders of scripts run from a checkout (flat: each puts the folders it needs on sys.path)
+SCRIPT_DIRS = ("launch", "gpu_check", "studies")
+#: every folder of tests
+TEST_DIRS = (TESTS, REPO / "gpu_check" / "tests", STUDIES / "tests")
 
 
 def modules_of(root: Path) -> Dict[str, Path]:
@@ -203,28 +209,56 @@ def imports_of_test_modules(path: Path) -> List[str]:
                   or m.split(".")[0].startswith("test_"))
 
 
-def launch_imports_from_tests(path: Path) -> List[str]:
-    """What a launch script imports from tests/ (its top-level modules and packages), and a ``tests``
-    folder it puts on sys.path."""
-    local = {p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if (p / "__init__.py").exists()}
-    found = sorted(m for m in imported_names(path) if m.split(".")[0] in local | {"tests"})
+def imports_from(path: Path, names: Set[str], folder: str) -> List[str]:
+    """What ``path`` imports of ``names`` (top-level modules) or of a package named ``folder``, and a
+    ``folder`` it puts on sys.path."""
+    found = sorted(m for m in imported_names(path) if m.split(".")[0] in names | {folder})
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append"):
-            if any(isinstance(n, ast.Constant) and n.value == "tests" for n in ast.walk(node)):
+            if any(isinstance(n, ast.Constant) and n.value == folder for n in ast.walk(node)):
                 found.append(f"sys.path: {ast.unparse(node)}")
     return found
 
 
+def launch_imports_from_tests(path: Path) -> List[str]:
+    """What a script imports from tests/ (its top-level modules and packages, and the suite's conftest),
+    and a ``tests`` folder it puts on sys.path."""
+    local = {p.stem for p in TESTS.glob("*.py")} | {p.name for p in TESTS.iterdir() if (p / "__init__.py").exists()}
+    return imports_from(path, local | {"conftest"}, "tests")
+
+
 def test_no_test_imports_a_test_module():
-    found = {str(p.relative_to(REPO)): imports_of_test_modules(p) for p in sorted(TESTS.rglob("*.py"))}
+    found = {str(p.relative_to(REPO)): imports_of_test_modules(p) for d in TEST_DIRS for p in sorted(d.rglob("*.py"))}
     found = {k: v for k, v in found.items() if v}
     assert not found, f"move what these import into tests/helpers/: {found}"
 
 
 def test_launch_scripts_import_nothing_from_tests():
-    found = {str(p.relative_to(REPO)): launch_imports_from_tests(p) for p in sorted((REPO / "launch").glob("*.py"))}
+    found = {str(p.relative_to(REPO)): launch_imports_from_tests(p)
+             for d in SCRIPT_DIRS for p in sorted((REPO / d).glob("*.py"))}
     found = {k: v for k, v in found.items() if v}
-    assert not found, f"launch/ must run without tests/: {found}"
+    assert not found, f"{', '.join(SCRIPT_DIRS)} must run without tests/: {found}"
+
+
+def study_imports(path: Path) -> List[str]:
+    """What a file imports from studies/ (its scripts by name), and a ``studies`` folder it puts on sys.path."""
+    return imports_from(path, {p.stem for p in STUDIES.glob("*.py")}, "studies")
+
+
+def test_neither_the_library_nor_its_tests_import_a_study():
+    files = sorted(PACKAGE.rglob("*.py")) + sorted(TESTS.rglob("*.py")) + [REPO / "conftest.py"]
+    found = {str(p.relative_to(REPO)): study_imports(p) for p in files}
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"a study's test belongs in studies/tests/: {found}"
+
+
+def test_the_scripts_import_each_other_without_a_cycle():
+    """launch/, gpu_check/ and studies/ import each other by bare names (each puts the folders it needs on
+    sys.path): the graph over those names has no cycle."""
+    paths = {p.stem: p for d in SCRIPT_DIRS for p in sorted((REPO / d).glob("*.py"))}
+    graph = {name: {m.split(".")[0] for m in imported_names(p)} & set(paths) - {name} for name, p in paths.items()}
+    found = cycles(graph)
+    assert not found, f"import cycle(s) among the scripts: {found}"
 
 
 def test_test_import_checks_catch_planted_imports(tmp_path):
@@ -238,3 +272,8 @@ def test_test_import_checks_catch_planted_imports(tmp_path):
     found = launch_imports_from_tests(script)
     assert found[:2] == ["conftest", "helpers.optimizer_cases"] and found[2].startswith("sys.path: sys.path.insert")
     assert len(found) == 3
+    product = tmp_path / "test_product.py"
+    product.write_text("import os, sys\nsys.path.insert(0, os.path.join(REPO, 'studies'))\nimport fidelity\n"
+                       "def f():\n    from lowbit_sim import parse\n")
+    found = study_imports(product)
+    assert found[:2] == ["fidelity", "lowbit_sim"] and found[2].startswith("sys.path: sys.path.insert")

@@ -20,7 +20,7 @@ from conftest import BARE_INTERPRETER_EXIT, BARE_INTERPRETER_MESSAGE
 
 REPO = Path(__file__).resolve().parent.parent
 BARE = ("python", "python3", "pip", "pip3")
-PY_DIRS = ("ds_q8", "launch", "tests")
+PY_DIRS = ("ds_q8", "launch", "gpu_check", "studies", "tests")
 
 
 def _python_files():
@@ -116,7 +116,8 @@ def test_no_python_source_starts_a_bare_interpreter(path):
 
 def test_no_script_or_make_recipe_starts_a_bare_interpreter():
     found = []
-    for script in sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / ".ci").glob("*")):
+    for script in (sorted((REPO / "launch").glob("*.sh")) + sorted((REPO / "gpu_check").glob("*.sh"))
+                   + sorted((REPO / ".ci").glob("*"))):
         found += bare_calls_in_shell(script.read_text(), str(script.relative_to(REPO)))
     found += bare_calls_in_shell(_makefile_recipes(), "Makefile")
     assert found == []
@@ -125,14 +126,14 @@ def test_no_script_or_make_recipe_starts_a_bare_interpreter():
 def test_the_source_checks_find_what_they_are_for():
     bad_python = '''
 import subprocess, os, sys
-subprocess.run(["python", "launch/memory_plan.py"])
+subprocess.run(["python", "studies/memory_plan.py"])
 subprocess.Popen(("pip", "install", "x"))
 os.system("python3 -m ds_q8.bench")
 '''
     assert bare_calls_in_python(bad_python) == ["<source>:3", "<source>:4", "<source>:5"]
     good_python = '''
 import subprocess, sys
-subprocess.run([sys.executable, "launch/memory_plan.py"])
+subprocess.run([sys.executable, "studies/memory_plan.py"])
 print("python launch/compare.py")  # a usage line, not a command
 '''
     assert bare_calls_in_python(good_python) == []

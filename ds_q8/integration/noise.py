@@ -1,6 +1,6 @@
 """The one place where warnings that dependencies print, and ds_q8 cannot change, are filtered.
 
-Called by ds_q8's programs (``launch/train_gpt.py``) and by the test suite (``tests/conftest.py``),
+Called by ds_q8's programs (``launch/train_gpt.py``) and by the test suite (``conftest.py``),
 never on ``import ds_q8``: a library does not silence other libraries for its users.
 
 * DeepSpeed's warm-up schedulers compute their first rate while they are built, and log

@@ -79,7 +79,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
     * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default);
     * ``quantization`` defaults to ``"dynamic6"`` here, not to the other optimizers' ``"minifloat"``:
       the momentum that Newton-Schulz orthogonalizes stayed closer to its 32-bit twin's on it
-      (docs/results.md, "Minifloat maps").
+      (docs/history.md, "Minifloat maps").
 
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
     8-bit block-wise (1 byte per element plus one bfloat16 maximum per block). Under ZeRO 1/2 each rank

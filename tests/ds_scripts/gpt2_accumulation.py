@@ -1,4 +1,4 @@
-"""GPT-2 under ZeRO-2 with gradient accumulation, for tests/test_fidelity.py.
+"""GPT-2 under ZeRO-2 with gradient accumulation, for tests/test_zero_accumulation.py.
 
 Usage: deepspeed --num_gpus N gpt2_accumulation.py --out result.pt [--steps S] [--micro_batches M]
 

@@ -1,4 +1,4 @@
-"""The suite's pytest hooks (tests/conftest.py imports them): time limits by marker, GPU tests skipped
+"""The suite's pytest hooks (conftest.py imports them): time limits by marker, GPU tests skipped
 without a GPU, the longest modules first, and ``--json-report PATH``, one JSON file of every test's result.
 
 Time limits (pytest-timeout): ``timeout`` in pytest.ini (600 s) for every test; a test marked ``slow`` or

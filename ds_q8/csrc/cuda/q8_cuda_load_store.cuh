@@ -15,7 +15,7 @@ constexpr int kElems = 8;          // elements per thread
 // ------------------------------------------------------------------ loads and stores of 8 values
 // Every per-thread array below is indexed only by constants once the fixed-trip loops are unrolled
 // (`#pragma unroll` over kElems, the tail guarded by `if (i < cnt)`), so it lives in registers: no
-// stack frame, no local memory (launch/ptxas_report.py checks it).
+// stack frame, no local memory (gpu_check/ptxas_report.py checks it).
 //
 // `align` is the byte alignment of the tensor's base pointer, capped at 16. A thread's 8 values
 // start at a multiple of 8 elements, so they are aligned like the base: 16 bytes allow uint4
