@@ -27,8 +27,9 @@ QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 #: stays next to its old code, where nearest could stall it, else to nearest), every state stochastically, only the unsigned
 #: ones (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
 STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
-#: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h)
-ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED, ROUND_GUIDED_CODE = 0, 1, 2, 3
+#: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h; 2,
+#: guidance by the update, was a study's and is no longer taken)
+ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED_CODE = 0, 1, 3
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
@@ -132,9 +133,7 @@ def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
     :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
     (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned
     ones only stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none
-    (``"nearest"``). :data:`ROUND_GUIDED` (guided by the update) is the PyTorch reference's alone, for
-    studies (the kernels refuse it): no option asks for it, since it runs ahead of a changing value
-    (``functional.py``'s module doc).
+    (``"nearest"``).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
     those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by

@@ -161,8 +161,7 @@ inline void check_stochastic_choices(bool has_keys, const std::vector<int64_t>& 
     for (int64_t s : states) {
         TORCH_CHECK_VALUE(s == Q8_ROUND_NEAREST || s == Q8_ROUND_STOCHASTIC || s == Q8_ROUND_GUIDED_CODE,
                           "stochastic_states entries must be ", Q8_ROUND_NEAREST, " (nearest), ", Q8_ROUND_STOCHASTIC,
-                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s,
-                          s == 2 ? " (guidance by the update is the PyTorch reference's alone)" : "");
+                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s);
         any = any || s != Q8_ROUND_NEAREST;
     }
     TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");
