@@ -1,9 +1,11 @@
-"""The options every ds_q8 group has, in one place: their defaults (:data:`OPTIONS`), their checks
-(:func:`check_common_group`) and how the step reads them: which code steps a group (``impl``), how its
+"""The options every ds_q8 group has, in one place: their defaults (:data:`OPTIONS`, and a class's own
+through ``option_defaults``: :func:`class_options`), their checks (:func:`check_common_group`) and how the
+step reads them: which code steps a group (``impl``), how its
 16-bit parameters are written (stochastic rounding or a correction byte), how its states are
 requantized, and its states' maps."""
 from __future__ import annotations
 
+import inspect
 import math
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -31,6 +33,36 @@ STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
 #: guidance by the update, was a study's and is no longer taken)
 ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED_CODE = 0, 1, 3
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
+
+
+def class_options(cls) -> dict:
+    """The options of optimizer class ``cls`` with its defaults: :data:`OPTIONS`, updated by the class's
+    ``option_defaults`` (those of its bases first)."""
+    options = dict(OPTIONS)
+    for base in reversed(cls.__mro__):
+        options.update(base.__dict__.get("option_defaults", {}))
+    return options
+
+
+def with_options(cls) -> None:
+    """Check a class's ``option_defaults`` and spell its constructor's ``**options`` out as keyword options
+    with the class's defaults, so that ``inspect.signature``, help() and the check of DeepSpeed's JSON keys
+    see every option and its default."""
+    unknown = sorted(set(cls.__dict__.get("option_defaults", {})) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.option_defaults names unknown option(s) {unknown}; "
+                        f"valid: {', '.join(OPTIONS)}")
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return
+    sig = inspect.signature(init)
+    own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    if len(own) == len(sig.parameters):  # no **options
+        return
+    names = {p.name for p in own}
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in class_options(cls).items()
+             if k not in names]
+    init.__signature__ = sig.replace(parameters=own + extra)
 
 
 def check_common_group(group: dict) -> None:
