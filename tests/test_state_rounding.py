@@ -179,13 +179,13 @@ def test_states_are_guided_by_their_old_code_unless_the_group_asks_otherwise():
                     (ds_q8.Adagrad8bitBlock, {}), (ds_q8.AdEMAMix8bitBlock, {})):
         opt = cls([p], **kw)
         signed = opt.rule_for(opt.param_groups[0]).state_signed
-        assert opt.stochastic_states(opt.param_groups[0]) == (3,) * len(signed)
+        assert opt.rounding_modes(opt.param_groups[0]) == (3,) * len(signed)
         opt = cls([p], state_rounding="stochastic", **kw)
-        assert opt.stochastic_states(opt.param_groups[0]) == (1,) * len(signed)
+        assert opt.rounding_modes(opt.param_groups[0]) == (1,) * len(signed)
         opt = cls([p], state_rounding="stochastic_unsigned", **kw)
-        assert opt.stochastic_states(opt.param_groups[0]) == tuple(not s for s in signed)
+        assert opt.rounding_modes(opt.param_groups[0]) == tuple(not s for s in signed)
         opt = cls([p], state_rounding="nearest", **kw)
-        assert not any(opt.stochastic_states(opt.param_groups[0]))
+        assert not any(opt.rounding_modes(opt.param_groups[0]))
     with pytest.raises(ValueError, match="state_rounding must be one of"):
         ds_q8.AdamW8bitBlock([p], state_rounding="up")
 

@@ -193,9 +193,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """Whether ``p`` is written with stochastic rounding (on by default for 16-bit tensors)."""
         return S.stochastic_params(group, p.dtype)
 
-    def stochastic_states(self, group: dict) -> tuple:
-        """Which states are requantized with stochastic rounding (see ``step.stochastic_states``)."""
-        return S.stochastic_states(group, self.rule_for(group).state_signed)
+    def rounding_modes(self, group: dict) -> tuple:
+        """How each state of ``group`` is requantized, as the kernels take it (``group_options.rounding_modes``)."""
+        return S.rounding_modes(group, self.rule_for(group).state_signed)
 
     def _maps(self, group: dict, device) -> List[torch.Tensor]:
         return S.maps_of(self.rule_for(group), group, device)

@@ -160,7 +160,7 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
     return True if choice is None else bool(choice)
 
 
-def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
+def rounding_modes(group: dict, signed: Sequence[bool]) -> tuple:
     """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
     :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
     (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned

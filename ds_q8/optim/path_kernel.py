@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .. import ops
-from .group_options import group_impl, maps_of, stochastic_params, stochastic_states
+from .group_options import group_impl, maps_of, stochastic_params, rounding_modes
 from .pieces import Item8, Item32
 from .rules import Rule
 
@@ -116,7 +116,7 @@ class KernelCall:
         self.block_size = group["block_size"]
         # the random bits serve 16-bit parameter writes and the stochastically requantized states
         self.stoch_params = keyed and stochastic_params(group, params[0].dtype)
-        self.rounding_modes = [keyed and on for on in stochastic_states(group, rule.state_signed)]
+        self.rounding_modes = [keyed and on for on in rounding_modes(group, rule.state_signed)]
         self.corrections = corrections
         self.cuda = params[0].is_cuda
 
@@ -131,7 +131,7 @@ class KernelCall:
             return
         ops.call(self.module, "step_many", self.params[0], self.name, self.params, grads, self.states, self.absmax,
                  self.maps[0], self.maps[1], self.block_size, h, keys, index, stochastic_params=self.stoch_params,
-                 stochastic_states=self.rounding_modes, error_sums=list(error_sums), corrections=self.corrections,
+                 rounding_modes=self.rounding_modes, error_sums=list(error_sums), corrections=self.corrections,
                  skip=skip)
 
     def prepared(self, group_bits: list, param_bits: list):
@@ -144,7 +144,7 @@ class KernelCall:
         return prepare(self.name, self.params, list(self.states), self.absmax or [],
                        [] if self.fp32 else list(self.maps[0]), [] if self.fp32 else list(self.maps[1]),
                        self.block_size or 0, group_bits, param_bits, stochastic_params=self.stoch_params,
-                       stochastic_states=[] if self.fp32 else self.rounding_modes, corrections=self.corrections)
+                       rounding_modes=[] if self.fp32 else self.rounding_modes, corrections=self.corrections)
 
 
 def kernel_call(rule: Rule, group: dict, name: str, strict: bool, batch: list, params: list, states: list, absmax,

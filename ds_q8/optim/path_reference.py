@@ -11,7 +11,7 @@ import torch
 from .. import functional as F
 from .. import ops
 from . import rounding, telemetry
-from .group_options import ROUND_GUIDED_CODE, maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED_CODE, maps_of, stochastic_params, rounding_modes
 from .pieces import Item8, Item32, Rounding
 from .rules import Rule
 from .state_keys import CHUNK
@@ -103,12 +103,12 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
 
     ``item.rounding`` is None or ``(key, index of p's first element in its parameter)``: the random
     bits of stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
-    :func:`stochastic_states` names. ``error_sums`` (telemetry) takes the requantization error.
+    :func:`rounding_modes` names. ``error_sums`` (telemetry) takes the requantization error.
     ``codec`` (:func:`block_codec`) dequantizes and requantizes (to nearest) in the compiled kernels."""
     p, grad, codes, absmax, sr, corr = item
     bs = F.resolve_block_size(group["block_size"], p.numel())
     maps = maps_of(rule, group, p.device)
-    modes = stochastic_states(group, rule.state_signed)
+    modes = rounding_modes(group, rule.state_signed)
     drawn = [sr is not None and bool(mode) for mode in modes]
     param_sr = sr if stochastic_params(group, p.dtype) else None
     n = p.numel()

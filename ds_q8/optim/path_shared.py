@@ -10,7 +10,7 @@ import torch
 
 from .. import functional as F
 from . import rounding
-from .group_options import ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, rounding_modes
 from .path_reference import read_param
 from .pieces import TensorStep
 from .rules import Rule
@@ -29,7 +29,7 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     p32 = read_param(pf.index_select(0, elem), None if corr is None else corr.index_select(0, elem))
     states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
               * absmax[i].index_select(0, absmax_at).to(torch.float32).index_select(0, owner) for i in range(k)]
-    modes = stochastic_states(group, rule.state_signed)
+    modes = rounding_modes(group, rule.state_signed)
     rule.update(p32, gf.index_select(0, elem).to(torch.float32), states, h)
     element_keys = None  # each element's key is its parameter's
     pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
