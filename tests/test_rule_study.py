@@ -13,7 +13,7 @@ from ds_q8 import functional as F
 from ds_q8.optim import path_reference, rounding
 
 from helpers.train import LAUNCH  # noqa: F401  (puts launch/ on sys.path)
-from test_state_rounding import _average_against_fp32, _held_maximum
+from helpers.averages import average_against_fp32, held_maximum
 
 import arith_maps  # noqa: E402
 import rule_study  # noqa: E402
@@ -66,7 +66,7 @@ def test_a_second_moment_guided_by_its_update_drifts_where_its_block_maximum_mov
     of its fp32 value growing): where the block's maximum moves, the old value lies between the new
     entries, and the nearer entry is kept whenever it lies on the update's side."""
     steps, g_scale = 300, torch.linspace(0.05, 0.3, 2048)
-    ratio = _average_against_fp32(False, 0.999, (_held_maximum((g_scale * (1 + t / steps)) ** 2) for t in range(steps)),
+    ratio = average_against_fp32(False, 0.999, (held_maximum((g_scale * (1 + t / steps)) ** 2) for t in range(steps)),
                                   prev_rule=_update_rule)
     assert abs(ratio["guided_code"] - 1.0) < 0.02, ratio
     assert abs(ratio["guided"] - 1.0) > 0.1, ratio
@@ -78,7 +78,7 @@ def test_a_first_moment_guided_by_its_update_runs_ahead_of_a_changing_gradient(g
     (1.019, 0.990, 1.027 where the gradient grows 2%, shrinks 2%, grows 5% a step): an increment of more
     than half a code and less than one always goes on to the next entry, past the value."""
     g0 = torch.linspace(0.01, 0.2, 2048) * torch.where(torch.arange(2048) % 2 == 0, 1.0, -1.0)
-    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * growth ** t) for t in range(60)), prev_rule=_update_rule)
+    ratio = average_against_fp32(True, 0.9, (held_maximum(g0 * growth ** t) for t in range(60)), prev_rule=_update_rule)
     assert abs(ratio["guided_code"] - 1.0) < 0.01, ratio
     assert (ratio["guided"] - 1.0) * math.copysign(1.0, growth - 1.0) > 0.005, ratio
 

@@ -19,6 +19,7 @@ from ds_q8 import maps
 from ds_q8.optim import rounding
 from ds_q8.optim.group_options import OPTIONS
 
+from helpers.averages import average_against_fp32, held_maximum
 from helpers.compare import assert_same_run, run_both
 from helpers.isa import ISAS, isa  # noqa: F401  (isa: a fixture)
 from helpers.optimizer_cases import kernel_cases
@@ -67,39 +68,6 @@ def test_stochastic_quantization_keeps_entries_zeros_and_the_zero_point():
     assert int(F.quantize_scaled(torch.tensor([float("nan")]), code, _bits(1, 1))) == 255
 
 
-def _average_against_fp32(signed: bool, beta: float, inputs, quantization: str = "dynamic", prev_rule=None) -> dict:
-    """An exponential average of ``inputs`` (one tensor a step, its element 0 the block maximum's input,
-    held still) kept in one 2048-element block on a quantization's map, requantized each way (guided by
-    the old code, ``guided_code``): each one's mean ratio to the fp32 average over the other elements.
-    ``prev_rule`` adds ``guided``, a rule that reads the value before the update (a study's,
-    ``tests/test_rule_study.py``): ``prev_rule(x, prev, absmax, code, block_size, bits)``."""
-    n = bs = 2048
-    code = F.state_map(quantization, signed, "cpu")
-    avg32 = torch.zeros(n)
-    kinds = ("nearest", "stochastic", "guided_code") + (() if prev_rule is None else ("guided",))
-    stored = {kind: torch.zeros(n) for kind in kinds}
-    old = F.quantize_scaled(torch.zeros(n), code).long()  # the codes of the state before each step
-    for t, x in enumerate(inputs):
-        avg32 = beta * avg32 + (1 - beta) * x
-        for kind in stored:
-            a = beta * stored[kind] + (1 - beta) * x
-            am = F.block_absmax(a, bs)
-            bits = _bits(rounding.step_key(0, t + 1), n) if kind != "nearest" else None
-            if kind == "guided":
-                q = prev_rule(a, stored[kind], am, code, bs, bits)
-            else:
-                q = F.quantize_with_absmax(a, am, code, bs, bits, old=old if kind == "guided_code" else None)
-            if kind == "guided_code":
-                old = q.long()
-            stored[kind] = F.dequantize_flat(q, am, code, bs)
-    return {kind: float((a / avg32)[1:].mean()) for kind, a in stored.items()}
-
-
-def _held_maximum(x: torch.Tensor) -> torch.Tensor:
-    x[0] = 1.0
-    return x
-
-
 @pytest.mark.parametrize("growth", [1.0, -0.5])
 def test_second_moment_tracks_its_fp32_value_unless_rounded_to_nearest(growth):
     """A slowly growing (or shrinking) gradient scale in a block whose maximum moves slowly: v's
@@ -107,7 +75,7 @@ def test_second_moment_tracks_its_fp32_value_unless_rounded_to_nearest(growth):
     fp32 value, and guided by its old code (the default for unsigned states) too (guided by its update it
     does not: ``tests/test_rule_study.py``)."""
     steps, g_scale = 300, torch.linspace(0.05, 0.3, 2048)
-    ratio = _average_against_fp32(False, 0.999, (_held_maximum((g_scale * (1 + growth * t / steps)) ** 2)
+    ratio = average_against_fp32(False, 0.999, (held_maximum((g_scale * (1 + growth * t / steps)) ** 2)
                                                   for t in range(steps)))
     assert abs(ratio["stochastic"] - 1.0) < 0.02, ratio
     assert abs(ratio["guided_code"] - 1.0) < 0.02, ratio
@@ -123,7 +91,7 @@ def test_first_moment_follows_a_changing_gradient_unless_rounded_to_nearest(grow
     and guided by its old code (the default) too (0.998, 0.999, 1.000); guided by its update it runs
     ahead of it (``tests/test_rule_study.py``)."""
     g0 = torch.linspace(0.01, 0.2, 2048) * torch.where(torch.arange(2048) % 2 == 0, 1.0, -1.0)
-    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * growth ** t) for t in range(60)))
+    ratio = average_against_fp32(True, 0.9, (held_maximum(g0 * growth ** t) for t in range(60)))
     assert abs(ratio["stochastic"] - 1.0) < 0.01, ratio
     assert abs(ratio["guided_code"] - 1.0) < 0.01, ratio
     if growth == 1.02:
@@ -137,7 +105,7 @@ def test_first_moment_follows_a_changing_gradient_on_the_default_maps(growth):
     it lags (0.985 growing 2%, 1.074 shrinking 2%: less than on the dynamic map, whose steps are coarser
     under a tenth of the block's maximum)."""
     g0 = torch.linspace(0.01, 0.2, 2048) * torch.where(torch.arange(2048) % 2 == 0, 1.0, -1.0)
-    ratio = _average_against_fp32(True, 0.9, (_held_maximum(g0 * growth ** t) for t in range(60)),
+    ratio = average_against_fp32(True, 0.9, (held_maximum(g0 * growth ** t) for t in range(60)),
                                   OPTIONS["quantization"])
     assert abs(ratio["stochastic"] - 1.0) < 0.01, ratio
     assert abs(ratio["guided_code"] - 1.0) < 0.01, ratio
