@@ -1,7 +1,7 @@
-"""The number format of ds_q8, written in plain PyTorch.
+"""The 8-bit format of ds_q8 (block-wise codes on 256-entry maps), written in plain PyTorch.
 
 This module is the specification: every fast kernel must produce exactly the codes that
-these functions produce.
+these functions produce (``format4.py`` is the 4-bit format's).
 
 Format
 ------
@@ -385,23 +385,7 @@ def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:
     return torch.maximum(left, right)
 
 
-__all__ = [
-    "create_dynamic_map",
-    "create_linear_map",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-    "check_block_size",
-    "resolve_block_size",
-    "num_blocks",
-    "block_absmax",
-    "block_max",
-    "stored_absmax",
-    "ABSMAX_DTYPE",
-    "midpoints",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_MIN_8BIT_SIZE",
-    "state_map",
-    "MIN_BLOCK_SIZE",
-    "MAX_BLOCK_SIZE",
-]
-
+__all__ = ["create_dynamic_map", "create_linear_map", "quantize_blockwise", "dequantize_blockwise",
+           "check_block_size", "resolve_block_size", "num_blocks", "block_absmax", "block_max",
+           "stored_absmax", "ABSMAX_DTYPE", "midpoints", "DEFAULT_BLOCK_SIZE", "DEFAULT_MIN_8BIT_SIZE",
+           "state_map", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]
