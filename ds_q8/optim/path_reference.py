@@ -22,12 +22,13 @@ _REQUANTIZE_RULE: Optional[Callable] = None
 
 def set_requantize_rule(rule: Optional[Callable]) -> Optional[Callable]:
     """Install a requantization rule for studies (``launch/rule_study.py``, ``launch/code_rule_study.py``),
-    or remove it with None; returns the rule it replaces. The library's only extension point: the reference
-    step (``impl="reference"``, run in one process; the kernels and the ZeRO shared-block path never consult
-    it) calls ``rule(i, mode, x, old, old_absmax, absmax, code, block_size, bits)`` for each 8-bit state
-    ``i`` of each chunk, with ``mode`` the state's rounding as the group asks for it (``ROUND_*``), ``x`` its
-    float32 values after the update, ``old`` and ``old_absmax`` its codes and block maxima before the step
-    (the values before the update are ``functional.dequantize_flat(old, old_absmax, code, block_size)``),
+    or remove it with None; returns the rule it replaces. The library's only extension point, global to the
+    process: the 8-bit reference step (``impl="reference"``, or where no kernel runs; the kernels, 4-bit
+    state and the ZeRO shared-block path never consult it) calls
+    ``rule(i, mode, x, old, old_absmax, absmax, code, block_size, bits)`` for each 8-bit state ``i`` of each
+    chunk, with ``mode`` the state's rounding as the group asks for it (``ROUND_*``), ``x`` its float32
+    values after the update, ``old`` and ``old_absmax`` its codes and block maxima before the step (the
+    values before the update are ``functional.dequantize_flat(old, old_absmax, code, block_size)``),
     ``absmax`` the stored maxima of ``x`` and ``bits`` the random bits drawn for it (None where none are).
     The rule returns the uint8 codes, or None for the product's own."""
     global _REQUANTIZE_RULE
