@@ -1,7 +1,7 @@
-"""The number format of ds_q8, written in plain PyTorch.
+"""The 8-bit format of ds_q8 (block-wise codes on 256-entry maps), written in plain PyTorch.
 
 This module is the specification: every fast kernel must produce exactly the codes that
-these functions produce.
+these functions produce (``format4.py`` is the 4-bit format's).
 
 Format
 ------
@@ -53,22 +53,12 @@ random bits) while the value stays next to its old code, and the nearer of the t
 elsewhere. ``lo, hi`` as above, ``gap = code[hi] - code[lo]``, ``above = y - code[lo]``; the nearer entry
 is ``hi`` when ``gap * 0.5 < above``. Every state is guided by its old code: stochastic where the code
 before the step is ``lo`` or ``hi``, the nearer entry elsewhere. Then the zero point and NaN as above.
-The reference also takes guidance by the update (``prev``, for studies; no option asks for it, and the
-kernels refuse it): with ``x`` the new (unscaled) value, ``prev`` its value before the step's update (its
-dequantized old code, float32) and ``moved = c * A`` for the nearer entry's value ``c``, the nearer entry is kept where
-``(moved - prev) * (x - prev) > 0`` (float32: both move the same way; a product that underflows to 0
-counts as not); elsewhere ``hi`` when ``u * gap < above``.
-
 Why: rounded to nearest, an exponential average that moves by less than half a code a step stalls;
 rounded stochastically, every element pays fresh noise every step. Guided by its old code, a value
 pays it only in the two intervals next to its old entry, where nearest could stall it, and is right
 on average there; beyond them it has moved by more than a code and takes the nearer entry, whose
-error averages out over an interval. Guided by its update, a first moment that moves more than half a
-code but less than one is always rounded on, past its value: it runs ahead of a changing gradient
-(1.019 of its fp32 value where the gradient grows 2% a step, ``tests/test_state_rounding.py``), and a
-GPT-2 at a learning rate near its edge of stability ended 4% worse than 32-bit on one seed from twelve
-starts; a second moment guided by its update drifts wherever its block's maximum moves (0.62 of its
-fp32 value after 300 steps).
+error averages out over an interval. (Rules that no option selects, such as guidance by the update,
+are studied through ``ds_q8.optim.path_reference.set_requantize_rule``.)
 
 Dequantization is ``code[index] * A`` in float32, then a cast to the requested dtype.
 
@@ -207,24 +197,18 @@ def block_scale(absmax: torch.Tensor, code: Optional[torch.Tensor] = None) -> to
 
 def quantize_with_absmax(x: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int,
                          random_bits: Optional[torch.Tensor] = None, mid: Optional[torch.Tensor] = None,
-                         prev: Optional[torch.Tensor] = None, old: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         old: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Codes of a flat float32 tensor given its per-block absmax (no validation: internal): to the
     nearest entry, or stochastically with ``random_bits`` (32 per element, int64; see the module doc),
-    guided by ``prev`` (each value before this step's update) or by ``old`` (each code before it) when
-    one is given.
+    guided by ``old`` (each code before the step) when it is given.
     ``mid`` replaces :func:`midpoints` of ``code`` as the decision boundaries (``format4.py``'s second moment)."""
     n = x.numel()
     nb = absmax.numel()
-    a = absmax.to(torch.float32)
-    by_table = mid is not None or prev is not None  # the table's rules (format4, the update-guided study)
-    scale = block_scale(a, None if by_table else code)
+    scale = block_scale(absmax.to(torch.float32), None if mid is not None else code)  # format4: the table's rules
     pad = nb * block_size - n
     xs = torch.nn.functional.pad(x, (0, pad)) if pad else x
     y = (xs.view(nb, block_size) * scale[:, None]).reshape(-1)[:n]
-    guide = None
-    if prev is not None:
-        guide = (x, prev, a.repeat_interleave(block_size)[:n])
-    return quantize_scaled(y, code, random_bits, mid, guide, old)
+    return quantize_scaled(y, code, random_bits, mid, old)
 
 
 def minifloat_codes(z: torch.Tensor, codec: MinifloatCodec, random_bits: Optional[torch.Tensor] = None,
@@ -273,15 +257,12 @@ def minifloat_values(codes: torch.Tensor, codec: MinifloatCodec) -> torch.Tensor
 
 
 def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[torch.Tensor] = None,
-                    mid: Optional[torch.Tensor] = None, guide: Optional[Tuple[torch.Tensor, ...]] = None,
-                    old: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Codes of values already divided by their block's absmax: nearest, or stochastic, or guided by the
-    update with ``guide = (x, prev, A)`` per element (the unscaled value, the value before the update,
-    the block's stored maximum), or guided by ``old``, each element's code before the step (module doc).
-    ``mid`` may give :func:`midpoints` of ``code``, computed once. For a minifloat map (:func:`codec_of`)
-    ``y`` is in the map's units (times :func:`block_scale`) and the codes come from its bits, unless ``mid``
-    or ``guide`` ask for the table's rules."""
-    codec = codec_of(code) if mid is None and guide is None else None
+                    mid: Optional[torch.Tensor] = None, old: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes of values already divided by their block's absmax: nearest, or stochastic, or guided by
+    ``old``, each element's code before the step (module doc). ``mid`` may give :func:`midpoints` of
+    ``code``, computed once. For a minifloat map (:func:`codec_of`) ``y`` is in the map's units (times
+    :func:`block_scale`) and the codes come from its bits, unless ``mid`` asks for the table's rules."""
+    codec = codec_of(code) if mid is None else None
     if codec is not None:
         return minifloat_codes(y, codec, random_bits, old)
     near = torch.searchsorted(midpoints(code) if mid is None else mid, y, right=False)
@@ -296,13 +277,7 @@ def quantize_scaled(y: torch.Tensor, code: torch.Tensor, random_bits: Optional[t
     gap, above = c_hi - c_lo, y - c_lo
     u = (random_bits >> 8).to(torch.float32) * 5.9604644775390625e-08  # 24 bits times 2^-24, exact
     go_up = u * gap < above
-    if guide is not None:
-        x, prev, a = guide
-        near_up = gap * 0.5 < above
-        moved = torch.where(near_up, c_hi, c_lo) * a
-        keep = (moved - prev) * (x - prev) > 0
-        go_up = torch.where(keep, near_up, go_up)
-    elif old is not None:
+    if old is not None:
         go_up = torch.where((old == lo) | (old == hi), go_up, gap * 0.5 < above)
     idx = torch.where(go_up, hi, lo)
     idx = torch.where((code[0] == 0) & (y > 0) & (idx == 0), torch.ones_like(idx), idx)  # the zero point
@@ -410,23 +385,7 @@ def quantization_error_bound(code: torch.Tensor) -> torch.Tensor:
     return torch.maximum(left, right)
 
 
-__all__ = [
-    "create_dynamic_map",
-    "create_linear_map",
-    "quantize_blockwise",
-    "dequantize_blockwise",
-    "check_block_size",
-    "resolve_block_size",
-    "num_blocks",
-    "block_absmax",
-    "block_max",
-    "stored_absmax",
-    "ABSMAX_DTYPE",
-    "midpoints",
-    "DEFAULT_BLOCK_SIZE",
-    "DEFAULT_MIN_8BIT_SIZE",
-    "state_map",
-    "MIN_BLOCK_SIZE",
-    "MAX_BLOCK_SIZE",
-]
-
+__all__ = ["create_dynamic_map", "create_linear_map", "quantize_blockwise", "dequantize_blockwise",
+           "check_block_size", "resolve_block_size", "num_blocks", "block_absmax", "block_max",
+           "stored_absmax", "ABSMAX_DTYPE", "midpoints", "DEFAULT_BLOCK_SIZE", "DEFAULT_MIN_8BIT_SIZE",
+           "state_map", "MIN_BLOCK_SIZE", "MAX_BLOCK_SIZE"]

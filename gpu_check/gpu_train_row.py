@@ -3,7 +3,7 @@
     deepspeed --num_gpus 1 --no_local_rank gpu_check/gpu_train_row.py --config ds_configs/FILE --json PATH [...]
 
 Warm-up steps first, not timed; the last of them counts the model states on the live engine
-(ds_q8.model_states). Then --steps timed optimizer steps of one micro batch each (gradient accumulation 1),
+(ds_q8.memory.measure). Then --steps timed optimizer steps of one micro batch each (gradient accumulation 1),
 ended early, and reported so, when the next would pass --deadline. PATH gets the row's figures as JSON:
 tokens per second over the timed steps, the optimizer step (DeepSpeed's own timer around engine.step():
 CUDA events on a GPU, the host clock on the CPU), the peak memory of the process, model-state bytes per
@@ -124,7 +124,7 @@ def measure(args, engine, device) -> dict:
     import ds_q8
     from deepspeed.accelerator import get_accelerator
     from deepspeed.utils.timer import SynchronizedWallClockTimer
-    from ds_q8.model_states import measure_model_states
+    from ds_q8.memory.measure import measure_model_states
 
     train, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
     rank, mbs = int(os.environ.get("RANK", "0")), engine.train_micro_batch_size_per_gpu()

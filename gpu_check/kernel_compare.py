@@ -253,7 +253,7 @@ def report(title: str, rows: List[dict], n_total: int, copy_gbps: Optional[float
 def speed(args, current, earlier) -> Dict:
     import torch
 
-    from ds_q8.bench_rows import _release
+    from ds_q8.tools.bench_rows import _release
 
     result: Dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE, "earlier": EARLIER_REV, "n": args.n,
                     "many": list(args.many), "rows": []}

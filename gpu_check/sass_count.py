@@ -107,8 +107,10 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 ROUNDINGS = {"stochastic": ("Q8_ROUND_STOCHASTIC", "true"), "nearest": ("Q8_ROUND_NEAREST", "false"),
              "guided": ("Q8_ROUND_GUIDED_CODE", None),
              "guided_update": ("((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE", None)}
-_MODE_LINES = ("const int listed = list.stochastic_states[k];", "const int mode = list.stochastic_states[k];",
-               "const bool sr = list.stochastic_states[k];")
+#: the line that reads a state's mode, in this revision (rounding_modes) and in older ones (stochastic_states)
+_MODE_LINES = tuple(line.format(field) for field in ("rounding_modes", "stochastic_states")
+                    for line in ("const int listed = list.{}[k];", "const int mode = list.{}[k];",
+                                 "const bool sr = list.{}[k];"))
 
 
 def fix_rounding(csrc: str, rounding: str) -> None:

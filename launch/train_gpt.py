@@ -461,11 +461,11 @@ def summarize(run: Run, model, n_params: int, start_step: int, step_times, eval_
 
 
 def offload_record(engine, model) -> dict:
-    """Under ZeRO-Offload: each rank's host bytes, part by part (``ds_q8.host_states``), and the parameter
-    groups as this trainer makes them (sizes and bits), from which ``ds_q8.host_memory`` predicts them."""
+    """Under ZeRO-Offload: each rank's host bytes, part by part (``ds_q8.memory.measure_offload``), and the parameter
+    groups as this trainer makes them (sizes and bits), from which ``ds_q8.memory.predict_offload`` predicts them."""
     import deepspeed.comm as dist
     import ds_q8
-    from ds_q8.host_states import measure_host_states
+    from ds_q8.memory.measure_offload import measure_host_states
 
     offload = engine.zero_offload_optimizer()
     if offload is None or str(getattr(offload.device, "value", offload.device)) != "cpu":

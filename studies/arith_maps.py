@@ -137,6 +137,41 @@ def describe(code: torch.Tensor) -> dict:
                 per_binade_top4=per, decades=round(math.log10(1.0 / float(pos.min())), 2))
 
 
+def _entries_around(y: torch.Tensor, code: torch.Tensor, mid: torch.Tensor):
+    """The two entries around each scaled value ``y`` (indices ``lo <= hi``) and the nearer of them."""
+    top = code.numel() - 1
+    near = torch.searchsorted(mid, y).clamp(max=top)
+    other = torch.where(y >= code[near], near + 1, near - 1).clamp(0, top)
+    lo, hi = torch.minimum(near, other), torch.maximum(near, other)
+    return lo, hi, torch.where((code[hi] - code[lo]) * 0.5 < y - code[lo], hi, lo)
+
+
+def prev_guided_codes(x: torch.Tensor, prev: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor, block_size: int,
+                      bits: Optional[torch.Tensor], mid: Optional[torch.Tensor] = None,
+                      rule: str = "update") -> torch.Tensor:
+    """Codes of flat float32 values ``x`` (stored block maxima ``absmax``) by a rule that reads ``prev``, each
+    value before the step's update, on the table's rules for any map (``mid``: its boundaries, the midpoints
+    unless given); without ``bits`` to nearest. ``update`` (ds_q8's signed-state rule before the old-code
+    rule): the nearer of the two entries around a value where it lies on the update's side of ``prev``
+    (``(nearer * A - prev) * (x - prev) > 0``, float32), else the stochastic choice. ``bracket``: the
+    stochastic choice where ``prev`` lies between the two entries (times ``A``), else the nearer one."""
+    n = x.numel()
+    a = absmax.to(torch.float32).repeat_interleave(block_size)[:n]
+    y = x * torch.where(a > 0, torch.ones_like(a) / a, torch.zeros_like(a))
+    mid = F.midpoints(code) if mid is None else mid
+    drawn = F.quantize_scaled(y, code, bits, mid).long()
+    if bits is None:
+        return drawn.to(torch.uint8)
+    lo, hi, nearer = _entries_around(y, code, mid)
+    if rule == "update":
+        take_near = (code[nearer] * a - prev) * (x - prev) > 0
+    else:
+        take_near = ~((code[lo] * a <= prev) & (prev <= code[hi] * a))
+    nearer = torch.where((code[0] == 0) & (y > 0) & (nearer == 0), torch.ones_like(nearer), nearer)  # zero point
+    idx = torch.where(take_near, nearer, drawn)
+    return torch.where(torch.isnan(y), torch.full_like(idx, code.numel() - 1), idx).to(torch.uint8)
+
+
 class SimAdamW8(torch.optim.Optimizer):
     """torch's AdamW (decoupled weight decay, bias correction) with 8-bit block-wise moments, simulated."""
 
@@ -190,7 +225,7 @@ class SimAdamW8(torch.optim.Optimizer):
                                                 old=st["m_codes"]).long()
                     st["m_codes"] = cm
                 else:
-                    cm = F.quantize_with_absmax(mf, am, self.codes["m"], bs, self._bits(n), self.mids["m"], prev=prev_m)
+                    cm = prev_guided_codes(mf, prev_m, am, self.codes["m"], bs, self._bits(n), self.mids["m"])
                 st["m"] = F.dequantize_flat(cm, am, self.codes["m"], bs).view(p.shape)
                 # second moment: guided by its old codes
                 vf = v.reshape(-1)

@@ -6,7 +6,7 @@ module doc says what it computes. This script builds it (g++, AVX2) and times it
 AdamW8bitBlock kernel at its defaults (``nonfinite="off"``) and DeepSpeedCPUAdam, interleaved, medians:
 
 * in cache: one thread, parameters of 16384 and 65536 values, the cost per parameter from the
-  difference (as ``python -m ds_q8.bench``'s in-cache table);
+  difference (as ``python -m ds_q8.tools.bench``'s in-cache table);
 * the step an offload user runs: 2^25 fp32 parameters on 2 threads.
 
 The probe rounds as the op's default does (guided), or stochastically; besides, four variants of it that leave parts out (``VARIANTS``) show what each

@@ -16,7 +16,7 @@ Activations, temporaries and communication buffers come on top and depend on bat
 Run ``python studies/memory_plan.py`` to print the plan for GPT-2 1.5B (counted on the meta device), and
 ``python studies/memory_plan.py --offload`` for ZeRO-Offload (``offload_optimizer`` cpu, the setting of
 ``ds_configs/decoder_7b_8bit_bf16master_zero2_offload.json``): host and device bytes per rank of 7B- and
-13B-class decoders at 1 and 8 ranks, DeepSpeed's AdamW beside ds_q8 (``ds_q8.host_memory`` predicts them).
+13B-class decoders at 1 and 8 ranks, DeepSpeed's AdamW beside ds_q8 (``ds_q8.memory.predict_offload`` predicts them).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Dict, List
 
-from ds_q8 import host_memory
+from ds_q8.memory import predict_offload
 from ds_q8.functional import DEFAULT_BLOCK_SIZE
 from ds_q8.memory import tensor_state_bytes
 
@@ -92,8 +92,8 @@ def embedding_params(config) -> int:
 
 def offload_plan(models=("7b", "13b"), world_sizes=(1, 8), stages=(2, 3), grad_accum: int = 8,
                  block_size: int = DEFAULT_BLOCK_SIZE) -> Dict[str, List[Dict]]:
-    """Per decoder: ``host_memory.offload_table``'s rows (host and device bytes per rank, every row)."""
-    return {m: host_memory.offload_table(host_memory.decoder_param_groups(*host_memory.DECODERS[m]), stages,
+    """Per decoder: ``predict_offload.offload_table``'s rows (host and device bytes per rank, every row)."""
+    return {m: predict_offload.offload_table(predict_offload.decoder_param_groups(*predict_offload.DECODERS[m]), stages,
                                          world_sizes, block_size=block_size, gradient_accumulation_steps=grad_accum)
             for m in models}
 
@@ -101,7 +101,7 @@ def offload_plan(models=("7b", "13b"), world_sizes=(1, 8), stages=(2, 3), grad_a
 def format_offload_plan(plans: Dict[str, List[Dict]], grad_accum: int) -> str:
     lines = []
     for model, rows in plans.items():
-        n = sum(map(sum, host_memory.decoder_param_groups(*host_memory.DECODERS[model])))
+        n = sum(map(sum, predict_offload.decoder_param_groups(*predict_offload.DECODERS[model])))
         lines += [f"ZeRO-Offload, {model} decoder ({n / 1e9:.3f}e9 params, bf16, gradient accumulation "
                   f"{grad_accum}): model states per rank",
                   "| stage | ranks | optimizer | host per rank (GB) | host B/param, all ranks | host, all ranks (GB) "

@@ -11,7 +11,7 @@ Each run is, at world size 1 on the CPU,
 with CONFIG ``ds_configs/decoder_7b_8bit_bf16master_zero2_offload.json`` (``q8``: AdamW8bitBlock, bf16
 masters, 8-bit state on the host) or its twin ``decoder_7b_32bit_zero2_offload.json`` (``ds``: DeepSpeed's
 AdamW, i.e. DeepSpeedCPUAdam with fp32 masters and moments). A run that needs more memory than the machine
-has (host bytes predicted by ``ds_q8.host_memory`` plus the bf16 parameters) is not started: it is reported
+has (host bytes predicted by ``ds_q8.memory.predict_offload`` plus the bf16 parameters) is not started: it is reported
 with its prediction. After the ds_q8 run on gpt2-xl (``--resume``), the same run resumes from its step-3
 checkpoint to step 5, and DeepSpeed's ``zero_to_fp32.py`` (copied beside the checkpoints) converts the step-5
 checkpoint; the converted weights are compared with the parameters the run saved. Peak RSS includes the
@@ -34,15 +34,15 @@ sys.path[:0] = [str(HERE), str(LAUNCH), str(REPO)]
 from xl_memory import memory_total, print_table, result_cells, train  # noqa: E402
 
 CONFIGS = {"q8": "decoder_7b_8bit_bf16master_zero2_offload.json", "ds": "decoder_7b_32bit_zero2_offload.json"}
-ROWS = {"q8": "q8_bf16", "ds": "deepspeed"}  # ds_q8.host_memory's row of each config
+ROWS = {"q8": "q8_bf16", "ds": "deepspeed"}  # ds_q8.memory.predict_offload's row of each config
 GIB = 2 ** 30
 
 
 def predicted_bytes(which: str, model: str, context: int) -> dict:
-    """Host bytes (ds_q8.host_memory) and the bf16 parameters, for ``model`` grouped as train_gpt.py groups it."""
+    """Host bytes (ds_q8.memory.predict_offload) and the bf16 parameters, for ``model`` grouped as train_gpt.py groups it."""
     import torch
     import ds_q8
-    from ds_q8.host_memory import predict_device_states, predict_host_states
+    from ds_q8.memory.predict_offload import predict_device_states, predict_host_states
     import gpt_data
     import gpt_models
     from transformers import GPT2LMHeadModel

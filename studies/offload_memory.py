@@ -1,16 +1,16 @@
-"""Host bytes a parameter under ZeRO-Offload, counted on live engines beside ds_q8.host_memory's prediction.
+"""Host bytes a parameter under ZeRO-Offload, counted on live engines beside ds_q8.memory.predict_offload's prediction.
 
     python studies/offload_memory.py                      # GPT-2 124M, ZeRO-2 and 3, 1 and 2 ranks, every row
     python studies/offload_memory.py --model tiny --ranks 1 --stages 2
 
-Each row of ``ds_q8.host_memory.OFFLOAD_ROWS`` is a config made from the shipped offload pair,
+Each row of ``ds_q8.memory.predict_offload.OFFLOAD_ROWS`` is a config made from the shipped offload pair,
 ``ds_configs/decoder_7b_8bit_bf16master_zero2_offload.json`` and its DeepSpeed twin
 ``decoder_7b_32bit_zero2_offload.json``: DeepSpeed's AdamW as shipped (fp32 masters and moments) and with
 bf16 masters and moments; ds_q8 with fp32 masters, as shipped (bf16 masters, stochastic rounding) and with a
 correction byte. Each runs ``launch/train_gpt.py --max_steps 2 --grad_accum 2 --micro_batch 1 --context 64``
 on the CPU at the ZeRO stage and world size asked for (two ranks through the deepspeed launcher), and the
 trainer's summary reports every host storage of each rank's engine, part by part
-(``ds_q8.host_states``). The table gives the rank holding the most: its host bytes per parameter of the
+(``ds_q8.memory.measure_offload``). The table gives the rank holding the most: its host bytes per parameter of the
 model, the prediction, and whether they agree to the byte on every rank.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def measure(row: str, stage: int, ranks: int, model: str, work: Path) -> dict:
 
 
 def compare(row: str, stage: int, ranks: int, summary: dict) -> dict:
-    from ds_q8.host_memory import predict_host_states
+    from ds_q8.memory.predict_offload import predict_host_states
 
     sizes, bits = summary["param_group_sizes"], summary["param_group_bits"]
     measured = [{k: v for k, v in r.items() if k != "total"} for r in summary["host_states"]]
@@ -86,7 +86,7 @@ def compare(row: str, stage: int, ranks: int, summary: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from ds_q8.host_memory import OFFLOAD_ROWS
+    from ds_q8.memory.predict_offload import OFFLOAD_ROWS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt2", help="a GPT-2 size of launch/gpt_models.py")

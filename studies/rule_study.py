@@ -4,11 +4,12 @@ runs it: ``studies/convergence.py``'s seed studies or ``studies/fidelity.py``'s 
     python studies/rule_study.py --rule update --reference conv --lrs 1.6e-2 --seeds 2 --workers 1 --optimizers ds_q8
     python studies/rule_study.py --rule code --dither fid 768 4 0
 
-Rules (``--rule``; the second moment is guided by its old code in all of them):
+Rules (``--rule``; the second moment is guided by its old code in all of them), brought into the reference
+step through ds_q8's one extension point, ``ds_q8.optim.path_reference.set_requantize_rule``:
   code     every state guided by its old code: the default (``state_rounding="guided"``), for comparison
-  update   a signed state guided by its update (ROUND_GUIDED, the default before): the nearer entry
-           where it moves the value the way the update did, else stochastic (the reference only: the
-           kernels carried it until the element hash changed, and no longer do)
+  update   a signed state guided by its update (the default before): the nearer entry where it moves
+           the value the way the update did, else stochastic (the reference only: the kernels carried
+           it until the element hash changed, and no longer do; ``arith_maps.prev_guided_codes``)
   bracket  a signed state stochastic where its value before the update lies between the two entries
            around the new value (its old code's interval, also where the block maximum moved), else
            the nearer entry (the reference only: ``--reference``)
@@ -19,9 +20,9 @@ the old-code draws of signed states (``--clamp-states both``: every state) take 
 runs ``impl="reference"`` (the pure-PyTorch step, slower); ``code`` runs in the kernels too.
 
 ``conv`` passes the rest to convergence.py, one process (its ``--workers`` must be 1: the rules are
-patched into this process); ``fid WIDTH LAYERS WARMUP`` runs the 25-step check (lr 6e-4, batch 16,
+installed in this process); ``fid WIDTH LAYERS WARMUP`` runs the 25-step check (lr 6e-4, batch 16,
 weight decay 0.1 on the matrices) on one thread and prints one JSON line; ``stall`` (``--rule code``) prints
-the first moment's stall test of ``tests/test_state_rounding.py`` under the rule as patched: 2048 first
+the first moment's stall test of ``tests/test_state_rounding.py`` under the rule (with ``--clamp``): 2048 first
 moments in one block whose maximum is held, beta1 = 0.9, 60 steps of a gradient growing 2%, shrinking 2%
 and growing 5% a step, each one's mean ratio to its fp32 value (``--map``: on another signed map, named as
 ``studies/arith_maps.py`` names them). A study, not a product path.
@@ -33,57 +34,44 @@ import functools
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "launch")]  # the studies, then the trainer's modules
 
+import arith_maps  # noqa: E402
 import ds_q8  # noqa: E402
 from ds_q8 import functional as F  # noqa: E402
 from ds_q8.optim import group_options as G  # noqa: E402
-from ds_q8.optim import path_kernel, path_reference, path_shared, plan, rounding, step  # noqa: E402
+from ds_q8.optim import path_reference, plan, rounding  # noqa: E402
 
 GOLDEN = 0x9E3779B9  # 2^32 / the golden ratio, rounded to odd
 
 
-def patch_rule(rule: str) -> None:
-    """state_rounding="guided" gives ``rule``'s modes (the signed states' mode in the kernels' terms)."""
-    signed_mode = G.ROUND_GUIDED if rule in ("update", "bracket") else G.ROUND_GUIDED_CODE
-    default = G.stochastic_states
+def requantize_rule(rule: str, clamp: Optional[float] = None, clamp_states: str = "signed"):
+    """The requantization rule for ``path_reference.set_requantize_rule``: in groups with
+    ``state_rounding="guided"``, signed states by ``rule`` (``code``: by the old code, as the library) and
+    unsigned ones by their old code; the old-code draws' uniforms clamped to [clamp, 1 - clamp] where
+    ``clamp`` is given (signed states, or ``clamp_states="both"``: every state). None elsewhere: the
+    library's own rounding."""
+    if rule not in ("code", "update", "bracket"):
+        raise ValueError(f"unknown rule {rule!r}")
+    lo_bits, hi_bits = (0, 0) if clamp is None else (int(clamp * 2**24) << 8, int((1 - clamp) * 2**24) << 8)
 
-    def stochastic_states(group, signed):
-        if group.get("state_rounding", G.OPTIONS["state_rounding"]) != "guided":
-            return default(group, signed)
-        return tuple(signed_mode if s else G.ROUND_GUIDED_CODE for s in signed)
+    def requantize(i, mode, x, old, old_absmax, absmax, code, block_size, bits):
+        if mode != G.ROUND_GUIDED_CODE or bits is None:
+            return None
+        signed = bool(code[0] < 0)
+        if signed and rule != "code":
+            prev = F.dequantize_flat(old, old_absmax, code, block_size)  # the value before the update
+            return arith_maps.prev_guided_codes(x, prev, absmax, code, block_size, bits, rule=rule)
+        if clamp is not None and (signed or clamp_states == "both"):
+            bits = bits.clamp(lo_bits, hi_bits)
+        return F.quantize_with_absmax(x, absmax, code, block_size, bits, old=old.long())
 
-    for module in (G, path_kernel, path_reference, path_shared, plan, step):
-        module.stochastic_states = stochastic_states
-    if rule == "bracket":
-        patch_bracket()
-
-
-def patch_bracket() -> None:
-    """A signed state's update guidance replaced by the bracket rule, in ds_q8.functional (the reference)."""
-    scaled = F.quantize_scaled
-
-    def quantize_scaled(y, code, random_bits=None, mid=None, guide=None, old=None):
-        if guide is None or random_bits is None:
-            return scaled(y, code, random_bits, mid, guide, old)
-        _, prev, a = guide
-        top = code.numel() - 1
-        near = torch.searchsorted(F.midpoints(code) if mid is None else mid, y).clamp(max=top)
-        up = y >= code[near]
-        nb = torch.where(up, near + 1, near - 1).clamp(0, top)
-        lo, hi = torch.where(up, near, nb), torch.where(up, nb, near)
-        gap, above = code[hi] - code[lo], y - code[lo]
-        u = (random_bits >> 8).to(torch.float32) * 5.9604644775390625e-08
-        draw = (code[lo] * a <= prev) & (prev <= code[hi] * a)
-        idx = torch.where(torch.where(draw, u * gap < above, gap * 0.5 < above), hi, lo)
-        idx = torch.where((code[0] == 0) & (y > 0) & (idx == 0), torch.ones_like(idx), idx)
-        return torch.where(torch.isnan(y), torch.full_like(idx, top), idx).to(torch.uint8)
-
-    F.quantize_scaled = quantize_scaled
+    return requantize
 
 
 def patch_dither() -> None:
@@ -102,27 +90,13 @@ def patch_dither() -> None:
     rounding.random_bits = dithered_bits
 
 
-def patch_clamp(theta: float, states: str) -> None:
-    """Old-code draws with their uniform clamped to [theta, 1 - theta] (the reference's draws): a state
-    within theta of a gap from an entry takes that entry; ``states`` "signed" or "both"."""
-    scaled = F.quantize_scaled
-    lo_bits, hi_bits = int(theta * 2**24) << 8, int((1 - theta) * 2**24) << 8
-
-    def quantize_scaled(y, code, random_bits=None, mid=None, guide=None, old=None):
-        if old is not None and random_bits is not None and (states == "both" or bool(code[0] < 0)):
-            random_bits = random_bits.clamp(lo_bits, hi_bits)
-        return scaled(y, code, random_bits, mid, guide, old)
-
-    F.quantize_scaled = quantize_scaled
-
-
-def stall(growth: float, steps: int = 60, n: int = 2048, code=None) -> float:
-    """The mean ratio of first moments requantized by the old-code rule (as patched) to their fp32 values,
-    on ``code`` (the signed dynamic map unless given)."""
+def stall(growth: float, requantize, steps: int = 60, n: int = 2048, code=None) -> float:
+    """The mean ratio of first moments requantized by ``requantize`` (:func:`requantize_rule`'s) to their
+    fp32 values, on ``code`` (the signed dynamic map unless given)."""
     code, beta = F.create_dynamic_map(True) if code is None else code, 0.9
     g0 = torch.linspace(0.01, 0.2, n) * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)
     avg32, stored = torch.zeros(n), torch.zeros(n)
-    old = F.quantize_scaled(stored, code).long()
+    old, old_absmax = F.quantize_scaled(stored, code), torch.zeros(1, dtype=F.ABSMAX_DTYPE)
     for t in range(steps):
         x = g0 * growth ** t
         x[0] = 1.0  # the block's maximum, held
@@ -130,8 +104,9 @@ def stall(growth: float, steps: int = 60, n: int = 2048, code=None) -> float:
         a = beta * stored + (1 - beta) * x
         absmax = F.block_absmax(a, n)
         bits = rounding.random_bits(plan.step_key(0, t + 1), torch.arange(n))
-        old = F.quantize_with_absmax(a, absmax, code, n, bits, old=old).long()
-        stored = F.dequantize_flat(old.to(torch.uint8), absmax, code, n)
+        old = requantize(0, G.ROUND_GUIDED_CODE, a, old, old_absmax, absmax, code, n, bits)
+        old_absmax = absmax
+        stored = F.dequantize_flat(old, absmax, code, n)
     return float((stored / avg32)[1:].mean())
 
 
@@ -148,11 +123,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if (args.rule != "code" or args.dither or args.clamp is not None) and not args.reference:
         ap.error("--rule update and bracket, --dither and --clamp run in the reference: add --reference")
-    patch_rule(args.rule)
+    requantize = requantize_rule(args.rule, args.clamp, args.clamp_states)
+    path_reference.set_requantize_rule(requantize)
     if args.dither:
         patch_dither()
-    if args.clamp is not None:
-        patch_clamp(args.clamp, args.clamp_states)
     if args.reference:
         ds_q8.AdamW8bitBlock = functools.partial(ds_q8.AdamW8bitBlock, impl="reference")
     if args.what == "conv":
@@ -160,15 +134,14 @@ def main(argv=None) -> int:
         if "--workers" not in args.rest:
             args.rest += ["--workers", "1"]
         if args.rest[args.rest.index("--workers") + 1] != "1":
-            ap.error("conv: --workers must be 1 (the rule is patched into this process)")
+            ap.error("conv: --workers must be 1 (the rule is installed in this process)")
         return convergence.main(args.rest)
     if args.what == "stall":
         if args.rule != "code":
             ap.error("stall: --rule code only (the test itself measures the update rule)")
-        import arith_maps
         code = None if args.map is None else arith_maps.make_map(args.map, True)
         print(json.dumps(dict(rule=args.rule, dither=args.dither, clamp=args.clamp, map=args.map or "dynamic",
-                              ratio={str(g): round(stall(g, code=code), 4) for g in (1.02, 0.98, 1.05)})))
+                              ratio={str(g): round(stall(g, requantize, code=code), 4) for g in (1.02, 0.98, 1.05)})))
         return 0
     import fidelity
     width, layers, warmup = (int(v) for v in args.rest)

@@ -1,7 +1,7 @@
 """AdamW8bitBlock's CPU step on each map and search path, interleaved in one process (ratios to dynamic6).
 
     python studies/step_by_map.py --threads 1 --log2n 22 --rounds 9 --isa avx512
-    python studies/step_by_map.py --fixed-grad      # one gradient for every step, as ds_q8.bench steps
+    python studies/step_by_map.py --fixed-grad      # one gradient for every step, as ds_q8.tools.bench steps
 
 Rows: the default maps (minifloat), the previous default (dynamic6), and two maps that the fast searches
 refuse, run under ``quantization="linear"`` with the signed map swapped in: the sign-magnitude E3M4 layout

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ds_q8 import bench
+from ds_q8.tools import bench
 
 
 def test_bench_small_run_writes_every_table(tmp_path, capsys):

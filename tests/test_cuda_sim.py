@@ -229,10 +229,10 @@ def test_mixed_maps_match_the_cpu_op(sim, maps, rounding):
     keys, index = [5 + i for i in range(len(p))], [3 * i for i in range(len(p))]
     q, t, b = [x.clone() for x in p], [[c.clone() for c in st] for st in s], [[c.clone() for c in st] for st in a]
     sim.step_many("adamw", p, g, s, a, code, [sim.build_lookup(c) for c in code], 256, hyper, keys, index,
-                  stochastic_states=rounding)
+                  rounding_modes=rounding)
     assert sim_op.last_kernel_is(sim, "adamw fp32 tables")
     cpu.step_many(ops.cpu_isa(), "adamw", q, g, t, b, code, [cpu.build_lookup(c) for c in code], 256, hyper, keys,
-                  index, stochastic_states=rounding)
+                  index, rounding_modes=rounding)
     for x, y in zip(_flat(p, s, a), _flat(q, t, b)):
         assert_same_bits(x, y, f"{maps} {rounding}")
 
@@ -413,21 +413,21 @@ def test_unsupported_dtype_pair_is_refused(sim):
 
 def test_guided_rounding_outside_the_defaults_form_is_refused(sim):
     """The CUDA step takes guided rounding as state_rounding="guided" gives it (every state 3, by its old
-    code) and nearest or stochastic in any mix; a state guided beside one that is not, or guidance by the
-    update (2, the PyTorch reference's alone), gets an error naming the field, and writes nothing."""
+    code) and nearest or stochastic in any mix; a state guided beside one that is not, or a mode that is
+    none of these (2), gets an error naming the field, and writes nothing."""
     p, g, s, a, maps, lookups, hyper = _lists(sim, [300, 70])
     keys, index = [11, 12], [0, 0]
     before = _flat(p, s, a)
     for states in ([1, 3], [3, 0]):
-        with pytest.raises(ValueError, match="stochastic_states: the CUDA step takes guided rounding only"):
-            sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
+        with pytest.raises(ValueError, match="rounding_modes: the CUDA step takes guided rounding only"):
+            sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, rounding_modes=states)
     for states in ([2, 2], [2, 3], [3, 2], [2, 0]):
-        with pytest.raises(ValueError, match="stochastic_states entries must be .* the PyTorch reference's alone"):
-            sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
+        with pytest.raises(ValueError, match="rounding_modes entries must be .*, got 2"):
+            sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, rounding_modes=states)
     for x, y in zip(_flat(p, s, a), before):
         assert_same_bits(x, y, "refused step")
     for states in ([3, 3], [1, 0], [0, 1], [1, 1], [0, 0]):  # adamw: m signed, v unsigned
-        sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, stochastic_states=states)
+        sim.step_many("adamw", p, g, s, a, maps, lookups, 256, hyper, keys, index, rounding_modes=states)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,7 +13,7 @@ table itself. The places ds_q8 reads without patching them are listed here by ha
   ``real_dp_process_group``), bf16 (``bf16_groups``, ``fp32_groups_flat_partition``) and stage 3
   (``fp16_groups``, ``fp32_partitioned_groups_flat``, ``sub_group_to_group_id``,
   ``sub_group_process_groups``) bookkeeping that ``integration/zero_layout.py`` reads;
-* ``grads_in_partition`` and ``averaged_gradients``, which ``ds_q8.model_states.measure_model_states`` reads;
+* ``grads_in_partition`` and ``averaged_gradients``, which ``ds_q8.memory.measure.measure_model_states`` reads;
 * ZeRO 1/2's ``_get_preflattened_grad_partition`` (the ``flat_partition`` it reads),
   ``_link_all_hp_params``, ``_use_compact_grad_partition_buffer``, ``get_gradient_for_reduction``,
   ``get_param_id`` and the bookkeeping ``parallel_partitioned_bit16_groups``, ``params_in_partition``,

@@ -128,7 +128,7 @@ def test_the_source_checks_find_what_they_are_for():
 import subprocess, os, sys
 subprocess.run(["python", "studies/memory_plan.py"])
 subprocess.Popen(("pip", "install", "x"))
-os.system("python3 -m ds_q8.bench")
+os.system("python3 -m ds_q8.tools.bench")
 '''
     assert bare_calls_in_python(bad_python) == ["<source>:3", "<source>:4", "<source>:5"]
     good_python = '''

@@ -10,11 +10,11 @@ from torch import nn
 
 import ds_q8
 from ds_q8.memory import estimate_state_bytes, gpt2_muon_groups, gpt2_param_groups, main, state_tensor_sizes
-from ds_q8.model_states import measured_state_bytes
+from ds_q8.memory.measure import measured_state_bytes
 from ds_q8.optim.codecs import codec_for
 from ds_q8.optim.layout import StateLayout
 from ds_q8.optim.qstate import QuantizedState
-from ds_q8.state_memory import tensor_state_bytes
+from ds_q8.memory.predict_state import tensor_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -135,8 +135,8 @@ def test_cli_runs_as_module_and_rejects_bad_input():
 
 
 def test_offload_prediction_by_part():
-    """ZeRO-Offload host bytes, one group of 1000 and 3000 elements, one rank, block 64 (ds_q8.host_memory)."""
-    from ds_q8.host_memory import predict_host_states
+    """ZeRO-Offload host bytes, one group of 1000 and 3000 elements, one rank, block 64 (ds_q8.memory.predict_offload)."""
+    from ds_q8.memory.predict_offload import predict_host_states
 
     groups, held = [[1000, 3000]], 4000
     ds = predict_host_states(groups, "deepspeed", 2, gradient_accumulation_steps=2)

@@ -1,5 +1,5 @@
 """ZeRO-Offload (``offload_optimizer: {"device": "cpu"}``): every host storage of a live engine counted once,
-part by part, and compared with ``ds_q8.host_memory``'s prediction to the byte, for DeepSpeed's AdamW
+part by part, and compared with ``ds_q8.memory.predict_offload``'s prediction to the byte, for DeepSpeed's AdamW
 (DeepSpeedCPUAdam; fp32, and bf16 masters with bf16 moments) and ds_q8 (fp32 masters; bf16 masters with
 stochastic rounding; with a correction byte), ZeRO-2 and 3, two ranks, two micro-batches per step, every job
 in one launch. The host copies ds_q8 removes (``integration.host_copies``) change no bit of the training;
@@ -8,7 +8,7 @@ that would step parameters outside the 8-bit state are refused on every rank, na
 import pytest
 import torch
 
-from ds_q8.host_memory import OFFLOAD_ROWS, predict_host_states
+from ds_q8.memory.predict_offload import OFFLOAD_ROWS, predict_host_states
 from helpers.ds_launch import config, launch
 
 pytestmark = pytest.mark.multirank

@@ -3,7 +3,7 @@ AdamW8bitBlock, optimizer state and step on the CPU) at small size through ``lau
 SIGKILLed inside an optimizer step (after the first parameter group was stepped, before the second)
 resumes from its last complete checkpoint and ends with the losses and weights of a run that was never
 interrupted; DeepSpeed's own ``zero_to_fp32.py``, copied beside the checkpoints, converts them. At two
-ranks and ZeRO-3 the trainer's summary reports each rank's host bytes, and ``ds_q8.host_memory`` predicts
+ranks and ZeRO-3 the trainer's summary reports each rank's host bytes, and ``ds_q8.memory.predict_offload`` predicts
 them to the byte for the parameter groups the trainer makes (32-bit embeddings included).
 
 The kill comes from ``DS_Q8_FAULT=kill:mid_step:STEP`` (tests/ds_scripts/faults.py through faulty_train.py).
@@ -89,7 +89,7 @@ def test_two_ranks_at_zero3_report_the_predicted_host_bytes(tmp_path):
     """ZeRO-3 with every parameter partitioned (``stage3_param_persistence_threshold`` 0), so that each forward
     gathers parameters from both ranks: the final evaluation's three batches are split 2 + 1, and the rank
     without a third batch still joins its gathers."""
-    from ds_q8.host_memory import predict_host_states
+    from ds_q8.memory.predict_offload import predict_host_states
 
     cfg = json.loads((CONFIGS / "decoder_7b_8bit_bf16master_zero2_offload.json").read_text())
     cfg["zero_optimization"].update(stage=3, stage3_param_persistence_threshold=0)

@@ -265,3 +265,32 @@ def test_deepspeed_zero_steps_trust_ratio_rules():
     assert lines[1] == "LARS8bitBlock stage=1 STEPPED"
     assert lines[2] == "LAMB8bitBlock stage=0 STEPPED"
     assert lines[3] == "Lion8bitBlock stage=2 STEPPED"
+
+
+def test_a_class_changes_an_option_default_in_one_place_and_the_docs_name_it():
+    """A class's own defaults (``option_defaults``) reach its groups, its constructor's signature (which
+    DeepSpeed's key check reads) and docs/usage.md's options table, which names every such class."""
+    import inspect
+    import pathlib
+    import re
+
+    from ds_q8.optim.base import Optimizer8bitBlock
+    from ds_q8.optim.group_options import OPTIONS, class_options
+
+    usage = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "usage.md").read_text(encoding="utf-8")
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]*) \|", usage, re.M)}
+    classes = [c for c in (getattr(ds_q8, n) for n in ds_q8.__all__)
+               if isinstance(c, type) and issubclass(c, Optimizer8bitBlock) and c is not Optimizer8bitBlock]
+    changed = [c for c in classes if class_options(c) != OPTIONS]
+    assert {c.__name__ for c in changed} >= {"Adagrad8bitBlock", "RMSprop8bitBlock", "Muon8bitBlock"}
+    p = torch.nn.Parameter(torch.zeros(8))
+    for cls in classes:
+        signature = inspect.signature(cls.__init__).parameters
+        kw = dict(momentum=0.9) if cls is ds_q8.Momentum8bitBlock else {}
+        opt = cls([p], **kw)
+        for key, value in class_options(cls).items():
+            assert signature[key].default == value, (cls.__name__, key)
+            # nonfinite is the optimizer's (checked into its own form), the others each group's
+            assert (opt.nonfinite if key == "nonfinite" else opt.param_groups[0][key]) == value, (cls.__name__, key)
+            if value != OPTIONS[key]:
+                assert cls.__name__ in rows[key] and f'`"{value}"`' in rows[key], (cls.__name__, key, rows[key])

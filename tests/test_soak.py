@@ -1,4 +1,4 @@
-"""``python -m ds_q8.soak`` with tiny settings: the table, the JSON, and the verdict."""
+"""``python -m ds_q8.tools.soak`` with tiny settings: the table, the JSON, and the verdict."""
 import json
 import subprocess
 import sys
@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from ds_q8 import soak
+from ds_q8.tools import soak
 from ds_q8.optim import step as S
 
 REPO = Path(__file__).resolve().parent.parent
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_soak_command_writes_json_and_passes(tmp_path):
     out = tmp_path / "soak.json"
-    proc = subprocess.run([sys.executable, "-m", "ds_q8.soak", "--steps", "120", "--warmup", "20", "--every", "40",
+    proc = subprocess.run([sys.executable, "-m", "ds_q8.tools.soak", "--steps", "120", "--warmup", "20", "--every", "40",
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads(out.read_text())

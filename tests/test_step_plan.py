@@ -244,10 +244,11 @@ def test_a_prepared_step_checks_the_gradients_before_writing():
     ps, opt = trained(2)
     before = [p.detach().clone() for p in ps]
     state = {i: {k: v.clone() for k, v in e.items() if torch.is_tensor(v)} for i, e in enumerate(opt.state.values())}
-    gp, call = next((gp, c) for gp in opt._plan.groups for c in gp.calls if c.prepared is not None and len(c.params) > 1)
-    module = call.module
-    hyper = ops.kernel_hyper(module, call.name, opt._hyper(gp.group, 3))
-    good = [p.grad for p in call.params]
+    gp, call = next((gp, c) for gp in opt._plan.groups for c in gp.calls
+                    if c.prepared is not None and len(c.call.params) > 1)
+    module = call.call.module
+    hyper = ops.kernel_hyper(module, call.call.name, opt._hyper(gp.group, 3))
+    good = [p.grad for p in call.call.params]
     for bad, match in ((good[:-1], "one tensor per param"), (good[:-1] + [torch.zeros(3)], "changed since"),
                        (good[:-1] + [good[-1].to(torch.float64)], "one grad dtype")):
         with pytest.raises(ValueError, match=match):

@@ -19,7 +19,6 @@ runs (``rule``, from ``rules.py``). Everything else is shared and lives in one p
 from __future__ import annotations
 
 import collections
-import inspect
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -29,23 +28,12 @@ from . import nonfinite as NF
 from . import codec_versions, state_io, telemetry
 from . import step as S
 from .checks import check_optimizer_kwargs
-from .group_options import OPTIONS, check_common_group, check_four_bit
+from .group_options import OPTIONS, check_common_group, check_four_bit, class_options, with_options
 from .layout import StateLayout
 from .qstate import QuantizedState
 from .state_keys import has_storage, is_8bit
 from .rules import Rule
 from .tensor_states import OPTIM_BITS_ATTR, TensorStates, uses_8bit
-
-def _with_options(init) -> inspect.Signature:
-    """``init``'s signature with ``**options`` spelled out as the keyword options of :data:`OPTIONS`,
-    so that ``inspect.signature``, help() and the check of DeepSpeed's JSON keys see every option."""
-    sig = inspect.signature(init)
-    own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
-    names = {p.name for p in own}
-    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in OPTIONS.items()
-             if k not in names]
-    return sig.replace(parameters=own + extra)
-
 
 #: each class's :meth:`Optimizer8bitBlock.rule_when_built` with no arguments, asked once
 _DEFAULT_RULES: dict = {}
@@ -60,13 +48,14 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
     #: a function that tags a model's parameters for the groups this class forms (Muon8bitBlock's
     #: ``use_muon``), which DeepSpeed's ``set_optimizer_flags`` calls on the model; None: no tags
     tag_parameters: Optional[Callable[[torch.nn.Module], object]] = None
+    #: the class's defaults of options that differ from :data:`OPTIONS` (e.g. ``quantization``), the one
+    #: place a class changes an option's default: the constructor's signature shows them
+    #: (``group_options.with_options``), and every group built without the option gets them
+    option_defaults: Dict[str, object] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        init = cls.__dict__.get("__init__")
-        if init is not None and any(p.kind == inspect.Parameter.VAR_KEYWORD
-                                    for p in inspect.signature(init).parameters.values()):
-            init.__signature__ = _with_options(init)
+        with_options(cls)
 
     def __new__(cls, *args, **kwargs):
         # Runs before __init__ binds the arguments, so an unknown key (typically from a DeepSpeed
@@ -78,7 +67,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         unknown = sorted(set(options) - set(OPTIONS))
         if unknown:
             raise ValueError(f"{type(self).__name__} got unknown option(s) {unknown}; valid: {', '.join(OPTIONS)}")
-        options = dict(OPTIONS, **options)
+        options = dict(class_options(type(self)), **options)
         self.nonfinite = NF.check_mode(options.pop("nonfinite"))
         #: steps skipped because a gradient was NaN or Inf (with ``nonfinite="skip"``)
         self.skipped_steps = 0
@@ -204,9 +193,9 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         """Whether ``p`` is written with stochastic rounding (on by default for 16-bit tensors)."""
         return S.stochastic_params(group, p.dtype)
 
-    def stochastic_states(self, group: dict) -> tuple:
-        """Which states are requantized with stochastic rounding (see ``step.stochastic_states``)."""
-        return S.stochastic_states(group, self.rule_for(group).state_signed)
+    def rounding_modes(self, group: dict) -> tuple:
+        """How each state of ``group`` is requantized, as the kernels take it (``group_options.rounding_modes``)."""
+        return S.rounding_modes(group, self.rule_for(group).state_signed)
 
     def _maps(self, group: dict, device) -> List[torch.Tensor]:
         return S.maps_of(self.rule_for(group), group, device)

@@ -1,9 +1,11 @@
-"""The options every ds_q8 group has, in one place: their defaults (:data:`OPTIONS`), their checks
-(:func:`check_common_group`) and how the step reads them: which code steps a group (``impl``), how its
+"""The options every ds_q8 group has, in one place: their defaults (:data:`OPTIONS`, and a class's own
+through ``option_defaults``: :func:`class_options`), their checks (:func:`check_common_group`) and how the
+step reads them: which code steps a group (``impl``), how its
 16-bit parameters are written (stochastic rounding or a correction byte), how its states are
 requantized, and its states' maps."""
 from __future__ import annotations
 
+import inspect
 import math
 from typing import TYPE_CHECKING, List, Optional, Sequence
 
@@ -27,9 +29,40 @@ QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 #: stays next to its old code, where nearest could stall it, else to nearest), every state stochastically, only the unsigned
 #: ones (second moments, Adagrad's sum; first moments to nearest), or every state to nearest
 STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
-#: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h)
-ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED, ROUND_GUIDED_CODE = 0, 1, 2, 3
+#: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h; 2,
+#: guidance by the update, was a study's and is no longer taken)
+ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED_CODE = 0, 1, 3
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
+
+
+def class_options(cls) -> dict:
+    """The options of optimizer class ``cls`` with its defaults: :data:`OPTIONS`, updated by the class's
+    ``option_defaults`` (those of its bases first)."""
+    options = dict(OPTIONS)
+    for base in reversed(cls.__mro__):
+        options.update(base.__dict__.get("option_defaults", {}))
+    return options
+
+
+def with_options(cls) -> None:
+    """Check a class's ``option_defaults`` and spell its constructor's ``**options`` out as keyword options
+    with the class's defaults, so that ``inspect.signature``, help() and the check of DeepSpeed's JSON keys
+    see every option and its default."""
+    unknown = sorted(set(cls.__dict__.get("option_defaults", {})) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"{cls.__name__}.option_defaults names unknown option(s) {unknown}; "
+                        f"valid: {', '.join(OPTIONS)}")
+    init = cls.__dict__.get("__init__")
+    if init is None:
+        return
+    sig = inspect.signature(init)
+    own = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    if len(own) == len(sig.parameters):  # no **options
+        return
+    names = {p.name for p in own}
+    extra = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v) for k, v in class_options(cls).items()
+             if k not in names]
+    init.__signature__ = sig.replace(parameters=own + extra)
 
 
 def check_common_group(group: dict) -> None:
@@ -127,14 +160,12 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
     return True if choice is None else bool(choice)
 
 
-def stochastic_states(group: dict, signed: Sequence[bool]) -> tuple:
+def rounding_modes(group: dict, signed: Sequence[bool]) -> tuple:
     """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
     :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
     (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned
     ones only stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none
-    (``"nearest"``). :data:`ROUND_GUIDED` (guided by the update) is the PyTorch reference's alone, for
-    studies (the kernels refuse it): no option asks for it, since it runs ahead of a changing value
-    (``functional.py``'s module doc).
+    (``"nearest"``).
 
     Rounded to nearest, an exponential average that moves by less than half a code per step loses
     those moves. A second moment (beta2 = 0.999 moves it by 0.1% a step) then lags its fp32 value, by

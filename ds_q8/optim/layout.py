@@ -151,13 +151,13 @@ class StateLayout:
         self.whole32 = len(self.segments) == 1 and not self.segments[0].eight_bit and self.num_fp32 == self.numel
 
     def _check_segments(self) -> None:
-        prev = 0
+        last_end = 0
         for s in self.segments:
-            if s.start < prev or s.end > self.numel or s.numel < 0:
+            if s.start < last_end or s.end > self.numel or s.numel < 0:
                 raise ValueError(f"segments overlap or leave the tensor of {self.numel} elements: {self.segments}")
             if s.param_start < 0 or s.param_end > s.param_numel:
                 raise ValueError(f"segment {s} reaches outside its parameter of {s.param_numel} elements")
-            prev = s.end
+            last_end = s.end
 
     def _cut(self, block_size: Optional[int], slots: Optional[Dict[Tuple[int, int], int]]) -> None:
         """Cut the segments into pieces: whole blocks (``pieces8``), the parts of blocks that partition

@@ -77,8 +77,8 @@ class Muon8bitBlock(Optimizer8bitBlock):
       fp32 bytes) and every world size steps the same bits. ``32`` keeps the fp32 direction
       (DeepSpeed's arithmetic, up to its bf16 casts); a cut matrix then travels in fp32;
     * AdamW: ``betas`` (0.9, 0.95), ``eps`` 1e-10, decoupled ``weight_decay`` (shared, 0 by default);
-    * ``quantization`` defaults to ``"dynamic6"`` here, not to the other optimizers' ``"minifloat"``:
-      the momentum that Newton-Schulz orthogonalizes stayed closer to its 32-bit twin's on it
+    * ``quantization`` defaults to ``"dynamic6"`` here (``option_defaults``), not to the other optimizers'
+      ``"minifloat"``: the momentum that Newton-Schulz orthogonalizes stayed closer to its 32-bit twin's on it
       (docs/history.md, "Minifloat maps").
 
     State: ``momentum_buffer`` (Muon groups), ``exp_avg`` and ``exp_avg_sq`` (AdamW groups), each
@@ -88,10 +88,10 @@ class Muon8bitBlock(Optimizer8bitBlock):
     """
     rule = rules.ADAMW  # the class's default rule (the auxiliary AdamW groups); Muon groups: MUON (rule_for)
     tag_parameters = staticmethod(tag_muon)  # DeepSpeed's tagging for "type": "Muon", for this class too
+    option_defaults = dict(quantization="dynamic6")
 
     def __init__(self, params, lr=None, muon_lr=None, adam_lr=None, momentum=0.95, nesterov=True, ns_method="gram",
-                 ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0,
-                 quantization="dynamic6", **options):
+                 ns_steps=5, direction_bits=8, betas=(0.9, 0.95), eps=1e-10, weight_decay=0.0, **options):
         # the arguments are checked here, whatever the groups: a model without matrices still gets its errors
         for key, value in (("lr", lr), ("muon_lr", muon_lr), ("adam_lr", adam_lr)):
             if value is not None:
@@ -102,7 +102,7 @@ class Muon8bitBlock(Optimizer8bitBlock):
         super().__init__(params, dict(lr=lr, muon_lr=muon_lr, adam_lr=adam_lr, momentum=momentum, nesterov=nesterov,
                                       ns_method=ns_method, ns_steps=ns_steps, direction_bits=direction_bits,
                                       betas=betas, eps=eps,
-                                      weight_decay=weight_decay), quantization=quantization, **options)
+                                      weight_decay=weight_decay), **options)
 
     def rule_for(self, group: dict):
         return MUON if group.get("use_muon") else rules.ADAMW

@@ -21,7 +21,7 @@ import torch
 from .. import format4 as Q4
 from .. import ops
 from . import four_bit
-from .path_kernel import _unsupported, kernel_rule
+from .path_kernel import kernel_rule, unsupported
 from .path_reference import read_param, write_param
 from .pieces import TensorStep
 from .rules import Rule
@@ -112,7 +112,7 @@ def _kernel_step(rule: Rule, batch: list) -> list:
         return batch
     p0, g0 = t0.param, t0.grad
     kind = p0.device.type
-    why = _unsupported(p0, g0)
+    why = unsupported(p0, g0)
     if why is None and t0.group["block_size"] is None:
         why = "block_size=None (one block per tensor) has no kernel"
     module = ops.load_op(kind, required=strict) if why is None else None

@@ -1,6 +1,7 @@
 """The reference path: the pure-PyTorch specification of the step, which every kernel matches bit
-for bit (``tests/test_kernels.py``, ``tests/test_cuda_sim.py``), and the parameter reads and writes
-(rounded to nearest, stochastically, or through a correction byte) that every path shares."""
+for bit (``tests/test_kernels.py``, ``tests/test_cuda_sim.py``), the parameter reads and writes
+(rounded to nearest, stochastically, or through a correction byte) that every path shares, and the
+library's one extension point for studies of requantization rules (:func:`set_requantize_rule`)."""
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
@@ -10,10 +11,30 @@ import torch
 from .. import functional as F
 from .. import ops
 from . import rounding, telemetry
-from .group_options import ROUND_GUIDED, ROUND_GUIDED_CODE, maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED_CODE, maps_of, stochastic_params, rounding_modes
 from .pieces import Item8, Item32, Rounding
 from .rules import Rule
 from .state_keys import CHUNK
+
+#: a requantization rule that no option selects, installed by a study (:func:`set_requantize_rule`), or None
+_REQUANTIZE_RULE: Optional[Callable] = None
+
+
+def set_requantize_rule(rule: Optional[Callable]) -> Optional[Callable]:
+    """Install a requantization rule for studies (``studies/rule_study.py``),
+    or remove it with None; returns the rule it replaces. The library's only extension point, global to the
+    process: the 8-bit reference step (``impl="reference"``, or where no kernel runs; the kernels, 4-bit
+    state and the ZeRO shared-block path never consult it) calls
+    ``rule(i, mode, x, old, old_absmax, absmax, code, block_size, bits)`` for each 8-bit state ``i`` of each
+    chunk, with ``mode`` the state's rounding as the group asks for it (``ROUND_*``), ``x`` its float32
+    values after the update, ``old`` and ``old_absmax`` its codes and block maxima before the step (the
+    values before the update are ``functional.dequantize_flat(old, old_absmax, code, block_size)``),
+    ``absmax`` the stored maxima of ``x`` and ``bits`` the random bits drawn for it (None where none are).
+    The rule returns the uint8 codes, or None for the product's own."""
+    global _REQUANTIZE_RULE
+    before, _REQUANTIZE_RULE = _REQUANTIZE_RULE, rule
+    return before
+
 
 def read_param(p: torch.Tensor, correction: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A parameter (or its chunk) as fp32: with its correction bytes, the 24-bit value they make."""
@@ -83,14 +104,13 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
 
     ``item.rounding`` is None or ``(key, index of p's first element in its parameter)``: the random
     bits of stochastic rounding (``rounding.py``), for 16-bit parameter writes and for the states that
-    :func:`stochastic_states` names (guided ones also from their values before the update). ``error_sums`` (telemetry) takes the requantization error.
+    :func:`rounding_modes` names. ``error_sums`` (telemetry) takes the requantization error.
     ``codec`` (:func:`block_codec`) dequantizes and requantizes (to nearest) in the compiled kernels."""
     p, grad, codes, absmax, sr, corr = item
     bs = F.resolve_block_size(group["block_size"], p.numel())
     maps = maps_of(rule, group, p.device)
-    modes = stochastic_states(group, rule.state_signed)
+    modes = rounding_modes(group, rule.state_signed)
     drawn = [sr is not None and bool(mode) for mode in modes]
-    guided = [on and mode == ROUND_GUIDED for on, mode in zip(drawn, modes)]
     param_sr = sr if stochastic_params(group, p.dtype) else None
     n = p.numel()
     # a non-contiguous parameter (e.g. a transposed view) is stepped in a flat copy, written back below
@@ -107,18 +127,19 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
         g32 = gf[start:end].to(torch.float32)
         dequantize = F.dequantize_flat if codec is None else codec.dequantize
         states = [dequantize(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
-        prev = [s.clone() if on else None for s, on in zip(states, guided)]  # the update writes in place
         rule.update(p32, g32, states, h)
-        for i, (c, a, m, s, before) in enumerate(zip(flat_codes, absmax, maps, states, prev)):
+        for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
             old = c[start:end].long() if drawn[i] and modes[i] == ROUND_GUIDED_CODE else None
             if codec is not None and not drawn[i]:
                 c[start:end], a[b0:b1] = codec.quantize(s, m, bs)
                 continue
             new_absmax = F.block_absmax(s, bs)
-            a[b0:b1] = new_absmax
             bits = None if not drawn[i] else rounding.state_bits(
                 rounding.state_key(sr[0], i), torch.arange(sr[1] + start, sr[1] + end, device=p.device), i)
-            c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits, prev=before, old=old)
+            q = None if _REQUANTIZE_RULE is None else _REQUANTIZE_RULE(
+                i, modes[i], s, c[start:end], a[b0:b1], new_absmax, m, bs, bits)
+            a[b0:b1] = new_absmax
+            c[start:end] = F.quantize_with_absmax(s, new_absmax, m, bs, bits, old=old) if q is None else q
         if error_sums is not None:
             for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
                 telemetry.add_error(error_sums, i, F.dequantize_flat(c[start:end], a[b0:b1], m, bs), s)
@@ -128,4 +149,5 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
         p.data.copy_(pf.view(p.shape))
 
 
-__all__ = ["read_param", "write_param", "reference_step_32bit", "reference_step_8bit", "BlockCodec", "block_codec"]
+__all__ = ["read_param", "write_param", "reference_step_32bit", "reference_step_8bit", "BlockCodec", "block_codec",
+           "set_requantize_rule"]

@@ -10,7 +10,7 @@ import torch
 
 from .. import functional as F
 from . import rounding
-from .group_options import ROUND_GUIDED, ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, stochastic_states
+from .group_options import ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, rounding_modes
 from .path_reference import read_param
 from .pieces import TensorStep
 from .rules import Rule
@@ -29,8 +29,7 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
     p32 = read_param(pf.index_select(0, elem), None if corr is None else corr.index_select(0, elem))
     states = [maps[i].index_select(0, codes[i].index_select(0, code_at).long())
               * absmax[i].index_select(0, absmax_at).to(torch.float32).index_select(0, owner) for i in range(k)]
-    modes = stochastic_states(group, rule.state_signed)
-    prev = [s.clone() if keys is not None and mode == ROUND_GUIDED else None for s, mode in zip(states, modes)]
+    modes = rounding_modes(group, rule.state_signed)
     rule.update(p32, gf.index_select(0, elem).to(torch.float32), states, h)
     element_keys = None  # each element's key is its parameter's
     pieces = layout.shared8 if which is None else [layout.shared8[j] for j in which]
@@ -65,14 +64,12 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
         agreed = stored.to(torch.float32)
         for i in range(k):
             a = agreed[i].index_select(0, owner)
-            guide = None if prev[i] is None else (states[i], prev[i], a)
             old = codes[i].index_select(0, code_at).long() if modes[i] == ROUND_GUIDED_CODE else None
-            # a minifloat map is coded from the bits of values in its own units (F.block_scale), unless the
-            # study's update-guided rule asks for the table's
-            by_code = guide is None and F.codec_of(maps[i]) is not None
+            # a minifloat map is coded from the bits of values in its own units (F.block_scale)
+            by_code = F.codec_of(maps[i]) is not None
             scale = F.block_scale(agreed[i], maps[i] if by_code else None)
             q = F.quantize_scaled(states[i] * scale.index_select(0, owner), maps[i], state_bits[i],
-                                  None if by_code else _midpoints(maps[i]), guide, old)
+                                  None if by_code else _midpoints(maps[i]), old)
             codes[i].index_copy_(0, code_at, q)
             absmax[i].index_copy_(0, absmax_at, stored[i])
             if sums is not None:  # telemetry: each element's error goes to its piece's parameter

@@ -31,8 +31,8 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from .group_options import OPTIONS, group_impl, stochastic_params, stochastic_states
-from .path_kernel import _kernel_maps, _module_with_rule, _unsupported, kernel_rule
+from .group_options import OPTIONS, group_impl, stochastic_params
+from .path_kernel import KernelCall, batch_key, kernel_call, kernel_rule, unsupported
 from .state_keys import CORRECTION_KEY, codes_key, fp32_key
 from .rounding import sr_key, step_key
 
@@ -48,41 +48,24 @@ def _options(group: dict) -> tuple:
 
 
 class _Call:
-    """One kernel call of a planned step: its tensors and the arguments that stay the same."""
+    """One kernel call of a planned step: its :class:`path_kernel.KernelCall` (the tensors and the arguments
+    that stay the same), whose tensors take a rounding key, and, where the op has one, its prepared form."""
 
-    __slots__ = ("module", "name", "fp32", "index", "params", "states", "absmax", "maps", "block_size", "keyed",
-                 "any_key", "group_bits", "param_bits", "zeros", "stoch_params", "stoch_states", "corrections", "cuda",
-                 "prepared")
+    __slots__ = ("call", "index", "keyed", "any_key", "group_bits", "param_bits", "zeros", "prepared")
 
-    def __init__(self, module, name: str, fp32: bool, index: List[int], steps, group: dict, rule, maps):
-        self.module, self.name, self.fp32, self.index = module, name, fp32, index
+    def __init__(self, call: KernelCall, index: List[int], steps, keyed: List[bool]):
+        self.call, self.index, self.keyed = call, index, keyed
         qss = [t.state for t in steps]
-        self.params = [t.param for t in steps]
-        self.states = [qs.stored(fp32_key if fp32 else codes_key) for qs in qss]
-        self.absmax = None if fp32 else [tuple(qs.absmax()) for qs in qss]
-        self.maps = maps
-        self.block_size = group["block_size"]
-        # whose rounding key the kernel gets (the general path's Item8 / Item32 rounding)
-        self.keyed = [t.sr_step is not None and (not fp32 or stochastic_params(group, t.param.dtype)) for t in steps]
         self.group_bits = [qs.layout.group_index & _M32 for qs in qss]
         self.param_bits = [qs.layout.segments[0].param_index & _M32 for qs in qss]
         self.zeros = [0] * len(steps)
-        self.any_key = any_key = any(self.keyed)
-        self.stoch_params = any_key and stochastic_params(group, self.params[0].dtype)
-        self.stoch_states = [any_key and on for on in stochastic_states(group, rule.state_signed)]
-        self.corrections = [qs.entry[CORRECTION_KEY].view(-1) for qs in qss] \
-            if any(CORRECTION_KEY in qs.entry for qs in qss) else []
-        self.cuda = self.params[0].is_cuda
+        self.any_key = any(self.keyed)
         # where the op has a prepared call (the CPU op), it converts and checks the call's tensors once,
         # here, and a run takes only the gradients
         self.prepared = None
-        prepare = getattr(module, "PreparedStep", None)
-        if prepare is not None and not self.cuda and all(self.keyed) == any_key:
-            keyed = self.group_bits if any_key else [], self.param_bits if any_key else []
-            self.prepared = prepare(name, self.params, list(self.states), self.absmax or [],
-                                    [] if fp32 else list(maps[0]), [] if fp32 else list(maps[1]),
-                                    self.block_size or 0, *keyed, stochastic_params=self.stoch_params,
-                                    stochastic_states=[] if fp32 else self.stoch_states, corrections=self.corrections)
+        if all(self.keyed) == self.any_key:
+            self.prepared = call.prepared(self.group_bits if self.any_key else [],
+                                          self.param_bits if self.any_key else [])
 
     def keys(self, step_part: int) -> list:
         """Each tensor's rounding key at this step (``rounding.sr_key``), 0 where it takes none."""
@@ -92,20 +75,13 @@ class _Call:
 
     def run(self, hyper: dict, step_part: int, grads: list, skip) -> None:
         gs = [grads[i] for i in self.index]
-        h = ops.kernel_hyper(self.module, self.name, hyper)
+        call = self.call
         if self.prepared is not None:
-            ops.call(self.module, "run_prepared", self.params[0], self.prepared, gs, h, step_part)
+            h = ops.kernel_hyper(call.module, call.name, hyper)
+            ops.call(call.module, "run_prepared", call.params[0], self.prepared, gs, h, step_part)
             return
         keys = self.keys(step_part)
-        index = self.zeros if keys else []
-        skip = skip if self.cuda else None
-        if self.fp32:
-            ops.call(self.module, "step_fp32_many", self.params[0], self.name, self.params, gs, self.states, h, keys,
-                     index, corrections=self.corrections, skip=skip)
-        else:
-            ops.call(self.module, "step_many", self.params[0], self.name, self.params, gs, self.states, self.absmax,
-                     self.maps[0], self.maps[1], self.block_size, h, keys, index, stochastic_params=self.stoch_params,
-                     stochastic_states=self.stoch_states, error_sums=[], corrections=self.corrections, skip=skip)
+        call.run(gs, hyper, keys, self.zeros if keys else [], skip)
 
 
 class _GroupPlan:
@@ -177,7 +153,7 @@ class StepPlan:
         return (t.segment_hyper is None and t.sums is None and not layout.sharded and layout.state_bits == 8
                 and (layout.whole8 or layout.whole32) and group_impl(t.group) != "reference"
                 and t.group["block_size"] is not None and t.param.is_contiguous() and t.grad.is_contiguous()
-                and _unsupported(t.param, t.grad) is None)
+                and unsupported(t.param, t.grad) is None)
 
     @staticmethod
     def _add_calls(gp: _GroupPlan, steps) -> bool:
@@ -191,20 +167,21 @@ class StepPlan:
             states = t.state.stored(fp32_key) if fp32 else ()
             if fp32 and (not all(s.is_contiguous() and s.device == t.param.device for s in states)):
                 return False
-            key = (fp32, t.param.get_device() if t.param.is_cuda else -1, t.param.dtype, t.grad.dtype)
-            batches.setdefault(key, []).append(j)
+            batches.setdefault((fp32,) + batch_key(t.param, t.grad), []).append(j)
         for (fp32, *_), index in batches.items():
             steps_in = [steps[j] for j in index]
-            device = steps_in[0].param.device
-            module = _module_with_rule(device, name, strict, steps_in)
-            if module is None:
+            qss = [t.state for t in steps_in]
+            corrections = [qs.entry[CORRECTION_KEY].view(-1) for qs in qss] \
+                if any(CORRECTION_KEY in qs.entry for qs in qss) else []
+            # whose rounding key the kernel gets (the general path's Item8 / Item32 rounding)
+            keyed = [t.sr_step is not None and (not fp32 or stochastic_params(gp.group, t.param.dtype))
+                     for t in steps_in]
+            call = kernel_call(gp.group_rule, gp.group, name, strict, steps_in, [t.param for t in steps_in],
+                               [qs.stored(fp32_key if fp32 else codes_key) for qs in qss],
+                               None if fp32 else [tuple(qs.absmax()) for qs in qss], any(keyed), corrections)
+            if call is None:
                 return False
-            maps = None
-            if not fp32:
-                maps = _kernel_maps(gp.group_rule, gp.group, device, module, strict)
-                if maps is None:
-                    return False
-            gp.calls.append(_Call(module, name, fp32, [gp.start + j for j in index], steps_in, gp.group, gp.group_rule, maps))
+            gp.calls.append(_Call(call, [gp.start + j for j in index], steps_in, keyed))
         return True
 
     # ------------------------------------------------------------------ each step

@@ -18,14 +18,16 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
     refused: it takes a square root of ``square_avg - grad_avg**2``, a difference of two separately
     quantized values that can turn negative.
 
-    ``quantization`` defaults to ``"dynamic6"`` here, as for Adagrad8bitBlock: the update divides by the
-    root of the quantized average, whose values sit close to their block's maximum, where the dynamic map
-    is finer than "minifloat"'s E4M4 (tests/test_optim_family.py: 0.0047 against 0.012 of the distance moved).
+    ``quantization`` defaults to ``"dynamic6"`` here (``option_defaults``), as for Adagrad8bitBlock: the
+    update divides by the root of the quantized average, whose values sit close to their block's maximum,
+    where the dynamic map is finer than "minifloat"'s E4M4 (tests/test_optim_family.py: 0.0047 against 0.012
+    of the distance moved).
     """
     rule = rules.RMSPROP  # the class's default; an instance built with momentum: RMSPROP_MOMENTUM (rule_for)
+    option_defaults = dict(quantization="dynamic6")
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0.0, momentum=0.0, centered=False,
-                 quantization="dynamic6", **options):
+                 **options):
         if centered:
             raise ValueError("centered=True is not supported by RMSprop8bitBlock: its variance estimate "
                              "square_avg - grad_avg**2 can turn negative once both are quantized; use centered=False")
@@ -34,7 +36,7 @@ class RMSprop8bitBlock(Optimizer8bitBlock):
         #: whether the state has a momentum buffer: fixed at construction for every group
         self.momentum_state = any(_is_positive(m) for m in [momentum] + group_momentum)
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      centered=centered), quantization=quantization, **options)
+                                      centered=centered), **options)
 
     def __getstate__(self):
         return dict(super().__getstate__(), momentum_state=self.momentum_state)

@@ -40,7 +40,7 @@ from . import nonfinite as NF
 from . import rounding
 from .group_options import IMPLS
 from .group_options import (corrected, correction_of, group_impl, maps_of, stochastic_params,  # noqa: F401
-                            stochastic_states)
+                            rounding_modes)
 from .path_kernel import fused_step_fp32_many, fused_step_many, kernel_rule  # noqa: F401
 from .path_four import step_four
 from .path_matrix import matrix_pass
@@ -334,7 +334,7 @@ def tensor_steps(opt, work):
         g = of_group.get(id(group))
         if g is None:
             rule = opt.rule_for(group)
-            g = of_group[id(group)] = (rule, any(opt.stochastic_states(group)))
+            g = of_group[id(group)] = (rule, any(opt.rounding_modes(group)))
         rule, states_random = g
         c = of_count.get((id(group), count))
         if c is None:
@@ -376,6 +376,6 @@ def match_correction(entry: dict, group: dict, p: torch.Tensor) -> None:
 
 
 __all__ = ["step", "optimizer_step", "stepped_tensors", "tensor_steps", "match_correction", "segment_hypers", "TensorStep", "Item8", "Item32", "Rounding", "IMPLS", "group_impl", "corrected",
-           "correction_of", "stochastic_params", "stochastic_states", "maps_of", "fused_step_many",
+           "correction_of", "stochastic_params", "rounding_modes", "maps_of", "fused_step_many",
            "fused_step_fp32_many", "kernel_rule", "reference_step_8bit", "reference_step_32bit", "read_param",
            "write_param", "block_codec"]

@@ -80,7 +80,7 @@ def test_a_fixed_rounding_makes_each_states_mode_a_constant(tmp_path):
     csrc = sass_count.sources(None, str(tmp_path), ["adamw"], "tree_guided")
     sass_count.fix_rounding(csrc, "guided")
     text = open(os.path.join(csrc, "cuda", "q8_cuda_step.cuh")).read()
-    assert "list.stochastic_states[k]" not in text
+    assert "list.rounding_modes[k]" not in text
     assert "const int listed = Q8_ROUND_GUIDED_CODE;" in text
     with pytest.raises(SystemExit, match="no such rounding mode"):  # already fixed: nothing left to fix
         sass_count.fix_rounding(csrc, "stochastic")

@@ -21,9 +21,9 @@ from torch import nn
 
 import deepspeed
 import ds_q8
-from ds_q8.host_states import measure_host_states
+from ds_q8.memory.measure_offload import measure_host_states
 from ds_q8.integration import grad_norm, host_copies, shared_masters
-from ds_q8.model_states import measure_model_states, measured_state_bytes, watch_model_states
+from ds_q8.memory.measure import measure_model_states, measured_state_bytes, watch_model_states
 
 VOCAB, DIM, HIDDEN, SEQ, MICRO_BATCH = 64, 32, 128, 8, 4
 LOG_LINES = []  # what ds_q8 logged in this process (the embeddings' line), kept for each job's record

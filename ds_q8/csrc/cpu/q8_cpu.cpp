@@ -44,14 +44,14 @@ void step(const std::string& isa, const std::string& rule, torch::Tensor param, 
           std::vector<torch::Tensor> states, std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps,
           std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
           const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-          const std::vector<int64_t>& stochastic_states) {
+          const std::vector<int64_t>& rounding_modes) {
     check_isa(isa);
     check_block_size(block_size);
     const auto hp = hyper_params(rule, hyper);
     std::vector<StepArgs> args{step_args(rule, param, grad, states, absmax, step_maps(maps, lookups), block_size, hp)};
     const bool has_keys = binding::check_rounding(sr_keys, sr_index, 1);
-    binding::check_stochastic_choices(has_keys, stochastic_states, states.size());
-    set_rounding(args[0], has_keys, sr_keys, sr_index, 0, stochastic_params, stochastic_states);
+    binding::check_rounding_modes(has_keys, rounding_modes, states.size());
+    set_rounding(args[0], has_keys, sr_keys, sr_index, 0, stochastic_params, rounding_modes);
     if (args[0].numel == 0) args.clear();
     run_step(isa, rule, args, param, grad);
 }
@@ -62,12 +62,12 @@ void step_many(const std::string& isa, const std::string& rule, std::vector<torc
                std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                std::vector<torch::Tensor> lookups, int64_t block_size, const std::map<std::string, double>& hyper,
                const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index, bool stochastic_params,
-               const std::vector<int64_t>& stochastic_states, const std::vector<torch::Tensor>& error_sums,
+               const std::vector<int64_t>& rounding_modes, const std::vector<torch::Tensor>& error_sums,
                const std::vector<torch::Tensor>& corrections) {
     check_isa(isa);
     const auto hp = hyper_params(rule, hyper);
     const auto args = nonempty(many_args(rule, params, grads, states, absmax, step_maps(maps, lookups), block_size, hp,
-                                         sr_keys, sr_index, stochastic_params, stochastic_states, error_sums,
+                                         sr_keys, sr_index, stochastic_params, rounding_modes, error_sums,
                                          corrections));
     if (params.empty()) return;
     run_step(isa, rule, args, params[0], grads[0]);
@@ -155,7 +155,7 @@ class PreparedStep {
     PreparedStep(std::string rule, std::vector<torch::Tensor> params, std::vector<std::vector<torch::Tensor>> states,
                  std::vector<std::vector<torch::Tensor>> absmax, std::vector<torch::Tensor> maps,
                  std::vector<torch::Tensor> lookups, int64_t block_size, std::vector<int64_t> group_index,
-                 std::vector<int64_t> param_index, bool stochastic_params, std::vector<int64_t> stochastic_states,
+                 std::vector<int64_t> param_index, bool stochastic_params, std::vector<int64_t> rounding_modes,
                  std::vector<torch::Tensor> corrections)
         : rule_(std::move(rule)), params_(std::move(params)), states_(std::move(states)), absmax_(std::move(absmax)),
           maps_(std::move(maps)), lookups_(std::move(lookups)), corrections_(std::move(corrections)) {
@@ -172,11 +172,11 @@ class PreparedStep {
         const std::vector<int64_t> zeros(keyed ? n : 0, 0);
         // checked as a call with each param as its own gradient; the gradients are checked at every run
         if (absmax_.empty() && maps_.empty()) {
-            TORCH_CHECK_VALUE(stochastic_states.empty(), "a step of float32 states has no stochastic_states");
+            TORCH_CHECK_VALUE(rounding_modes.empty(), "a step of float32 states has no rounding_modes");
             args_ = fp32_many_args(rule_, params_, params_, states_, {}, zeros, zeros, corrections_);
         } else {
             args_ = many_args(rule_, params_, params_, states_, absmax_, step_maps(maps_, lookups_), block_size, {},
-                              zeros, zeros, stochastic_params, stochastic_states, {}, corrections_);
+                              zeros, zeros, stochastic_params, rounding_modes, {}, corrections_);
         }
         if (keyed) {
             group_index_.assign(group_index.begin(), group_index.end());
@@ -308,7 +308,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     using pybind11::arg;
     // with keys: stochastic parameter writes unless stochastic_params=False, and the flagged states
     const auto params_sr = arg("stochastic_params") = true;
-    const auto states_sr = arg("stochastic_states") = std::vector<int64_t>{};
+    const auto states_sr = arg("rounding_modes") = std::vector<int64_t>{};
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("isa"), arg("rule"), arg("param"),
           arg("grad"), arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"),
           arg("sr_keys"), arg("sr_index"), params_sr, states_sr);

@@ -40,7 +40,7 @@ struct StepArgs {
     int num_hyper;
     int num_threads;
     bool stochastic;           // 16-bit params: write them with stochastic rounding (q8_store_sr)
-    uint8_t stochastic_states[Q8_MAX_STATES]; // how each 8-bit state is requantized (Q8_ROUND_*)
+    uint8_t rounding_modes[Q8_MAX_STATES]; // how each 8-bit state is requantized (Q8_ROUND_*)
     uint32_t sr_key;           // the hash key of this tensor's random bits (both kinds)
     int64_t sr_index;          // index of param[0] in its original parameter
     int8_t* correction;        // null, or bf16 params' correction bytes (one per element: q8_bf16_join/split)

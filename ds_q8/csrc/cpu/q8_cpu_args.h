@@ -152,12 +152,12 @@ StepArgs tensor_args(const std::string& rule, const torch::Tensor& param, const 
 // Stochastic rounding of tensor t: of its parameter write (`params`; with float32 states: whenever keys
 // are given) and of the 8-bit states flagged in `states`. `has_keys` is binding::check_rounding's answer,
 // asked once per call (asked per tensor, its check of every key made a call quadratic in the tensors),
-// and the choices are checked by binding::check_stochastic_choices.
+// and the choices are checked by binding::check_rounding_modes.
 void set_rounding(StepArgs& a, bool has_keys, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
                   size_t t, bool params = true, const std::vector<int64_t>& states = {}) {
     if (!has_keys) return;
     a.stochastic = params;
-    for (size_t k = 0; k < states.size(); ++k) a.stochastic_states[k] = (uint8_t)states[k];
+    for (size_t k = 0; k < states.size(); ++k) a.rounding_modes[k] = (uint8_t)states[k];
     a.sr_key = (uint32_t)sr_keys[t];
     a.sr_index = sr_index[t];
 }
@@ -198,7 +198,7 @@ std::vector<StepArgs> many_args(const std::string& rule, const std::vector<torch
                                 const std::vector<std::vector<torch::Tensor>>& absmax, const StepMaps& step_map,
                                 int64_t block_size, const std::vector<HyperParam>& hp,
                                 const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
-                                bool stochastic_params, const std::vector<int64_t>& stochastic_states,
+                                bool stochastic_params, const std::vector<int64_t>& rounding_modes,
                                 const std::vector<torch::Tensor>& error_sums,
                                 const std::vector<torch::Tensor>& corrections) {
     check_block_size(block_size);
@@ -210,13 +210,13 @@ std::vector<StepArgs> many_args(const std::string& rule, const std::vector<torch
                       "params, grads, states and absmax must be lists of the same length, got ", n, ", ",
                       grads.size(), ", ", states.size(), " and ", absmax.size());
     const bool has_keys = binding::check_rounding(sr_keys, sr_index, n);
-    binding::check_stochastic_choices(has_keys, stochastic_states, step_map.k);
+    binding::check_rounding_modes(has_keys, rounding_modes, step_map.k);
     std::vector<StepArgs> args;
     args.reserve(n);
     for (size_t t = 0; t < n; ++t) {
         StepArgs a = step_args(rule, params[t], grads[t], states[t], absmax[t], step_map, block_size, hp);
         check_same_dtypes(params, grads, t, "step_many");
-        set_rounding(a, has_keys, sr_keys, sr_index, t, stochastic_params, stochastic_states);
+        set_rounding(a, has_keys, sr_keys, sr_index, t, stochastic_params, rounding_modes);
         if (corrected) a.correction = corrections[t].data_ptr<int8_t>();
         if (!error_sums.empty()) {
             const torch::Tensor& e = error_sums[t];

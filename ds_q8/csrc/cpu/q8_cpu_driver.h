@@ -277,14 +277,14 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                 uint8_t* codes = a.codes[k] + start;
                 if (a.map_kind[k] != kMapTable) {
                     mf_requantize_blocks<I>(codes, tmp[k], len, amax[k], (int)bs, a.map_kind[k] == kMapMinifloatSigned,
-                                            a.stochastic_states[k], q8_state_key(a.sr_key, k), k,
+                                            a.rounding_modes[k], q8_state_key(a.sr_key, k), k,
                                             (uint32_t)(a.sr_index + start));
                 } else {
                     const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
                                                            q8_state_mul(k), (uint32_t)(a.sr_index + start), a.floor[k],
-                                                           a.stochastic_states[k] == Q8_ROUND_GUIDED_CODE};
+                                                           a.rounding_modes[k] == Q8_ROUND_GUIDED_CODE};
                     I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
-                                         a.stochastic_states[k] ? &sr : nullptr);
+                                         a.rounding_modes[k] ? &sr : nullptr);
                 }
                 if (a.error_sums) {  // quantization telemetry (optim/telemetry.py): off by default
                     for (int bi = 0; bi < blocks; ++bi) {

@@ -151,14 +151,14 @@ StepBatch list_batch(const std::string& rule, std::vector<torch::Tensor>&& param
     return b;
 }
 
-// The rounding choices of an 8-bit step (binding::check_stochastic_choices) into the batch.
-void set_choices(StepBatch& b, bool stochastic_params, const std::vector<int64_t>& stochastic_states, size_t k) {
+// The rounding choices of an 8-bit step (binding::check_rounding_modes) into the batch.
+void set_choices(StepBatch& b, bool stochastic_params, const std::vector<int64_t>& rounding_modes, size_t k) {
     // before the flags are copied into the batch's Q8_MAX_STATES of them (check_step checks k >= 1 per tensor)
     TORCH_CHECK_VALUE(k <= (size_t)Q8_MAX_STATES, "maps must hold 1 to ", Q8_MAX_STATES, " tensors (one per state), ",
                       "got ", k);
-    binding::check_stochastic_choices(b.has_keys, stochastic_states, k);
+    binding::check_rounding_modes(b.has_keys, rounding_modes, k);
     b.stochastic = b.has_keys && stochastic_params;
-    for (size_t i = 0; i < stochastic_states.size(); ++i) b.stochastic_states[i] = (uint8_t)stochastic_states[i];
+    for (size_t i = 0; i < rounding_modes.size(); ++i) b.rounding_modes[i] = (uint8_t)rounding_modes[i];
 }
 
 void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
@@ -166,14 +166,14 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
                std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups, int64_t block_size,
                const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
                const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip,
-               bool stochastic_params, const std::vector<int64_t>& stochastic_states,
+               bool stochastic_params, const std::vector<int64_t>& rounding_modes,
                const std::vector<torch::Tensor>& error_sums, const std::vector<torch::Tensor>& corrections) {
     check_block_size(block_size);
     if (binding::check_corrections(corrections, params, stochastic_params)) {
         for (const auto& c : corrections) check_cuda(c, "corrections", c.device());
     }
     StepBatch b = list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_many");
-    set_choices(b, stochastic_params, stochastic_states, maps.size());
+    set_choices(b, stochastic_params, rounding_modes, maps.size());
     TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == b.params.size(), "error_sums must be empty or have "
                       "one tensor per param (", b.params.size(), "), got ", error_sums.size());
     for (const auto& e : error_sums) {
@@ -204,9 +204,9 @@ void step(const std::string& rule, torch::Tensor param, const torch::Tensor& gra
           std::vector<torch::Tensor> absmax, std::vector<torch::Tensor> maps, std::vector<torch::Tensor> lookups,
           int64_t block_size, const std::map<std::string, double>& hyper, const std::vector<int64_t>& sr_keys,
           const std::vector<int64_t>& sr_index, const c10::optional<torch::Tensor>& skip, bool stochastic_params,
-          const std::vector<int64_t>& stochastic_states) {
+          const std::vector<int64_t>& rounding_modes) {
     step_many(rule, {param}, {grad}, {states}, {absmax}, maps, lookups, block_size, hyper, sr_keys, sr_index, skip,
-              stochastic_params, stochastic_states, {}, {});
+              stochastic_params, rounding_modes, {}, {});
 }
 
 // The same rules on float32 states (optim_bits=32, or tensors below min_8bit_size): states[t] are
@@ -337,7 +337,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto skip = arg("skip") = pybind11::none();
     // with keys: stochastic parameter writes unless stochastic_params=False, and the flagged states
     const auto params_sr = arg("stochastic_params") = true;
-    const auto states_sr = arg("stochastic_states") = std::vector<int64_t>{};
+    const auto states_sr = arg("rounding_modes") = std::vector<int64_t>{};
     m.def("step", &ds_q8::step, "fused 8-bit optimizer step, in place", arg("rule"), arg("param"), arg("grad"),
           arg("states"), arg("absmax"), arg("maps"), arg("lookups"), arg("block_size"), arg("hyper"), arg("sr_keys"),
           arg("sr_index"), skip, params_sr, states_sr);

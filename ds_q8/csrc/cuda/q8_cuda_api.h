@@ -37,7 +37,7 @@ struct StepBatch {
     int64_t block_size = 0;                        // 8-bit states only
     bool fp32_states = false;
     bool stochastic = false;                       // 16-bit params: write them with stochastic rounding
-    uint8_t stochastic_states[Q8_MAX_STATES] = {}; // how each 8-bit state is requantized (Q8_ROUND_*)
+    uint8_t rounding_modes[Q8_MAX_STATES] = {}; // how each 8-bit state is requantized (Q8_ROUND_*)
     bool has_keys = false;                         // sr_keys/sr_index given (needed by either kind)
     std::vector<int64_t> sr_keys, sr_index;        // per tensor when has_keys: hash key, index of param[0]
     std::vector<at::Tensor> error_sums;            // empty, or per tensor: float64 [3 per state] (telemetry)

@@ -202,7 +202,7 @@ __global__ void __maxnreg__(Rule::kStates > 2 ? 128 : Rule::kStates > 1 ? 80 : 6
             const uint16_t stored = q8_absmax_store(bmax);
             if ((threadIdx.x & (T - 1)) == 0 && live) a.absmax[k][qblock] = stored;
             const float absmax = q8_absmax_load(stored);
-            const int listed = list.stochastic_states[k];
+            const int listed = list.rounding_modes[k];
             const int mode = kCodec == kCodecGuided ? Q8_ROUND_GUIDED_CODE : listed;
             const uint32_t mul = q8_state_mul(k), bits0 = (a.state_key[k] + index) * mul;  // q8_state_bits
             const bool is_signed = ((Rule::kSigned >> k) & 1u) != 0u;

@@ -130,7 +130,7 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     StepList list{};
     list.skip = b.skip;
     list.stochastic = b.stochastic;
-    for (int k = 0; k < Q8_MAX_STATES; ++k) list.stochastic_states[k] = b.stochastic_states[k];
+    for (int k = 0; k < Q8_MAX_STATES; ++k) list.rounding_modes[k] = b.rounding_modes[k];
     if (b.fp32_states) {
         launch_lists(b, list, step_fp32_kernel<Rule, P, G>, rule, kStepThreads, 0);
         return;
@@ -159,10 +159,10 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     }
     bool guided = true, any_guided = false;  // the default's rounding: its own kernel (kCodecGuided)
     for (int k = 0; k < K; ++k) {
-        guided = guided && list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
-        any_guided = any_guided || list.stochastic_states[k] == Q8_ROUND_GUIDED_CODE;
+        guided = guided && list.rounding_modes[k] == Q8_ROUND_GUIDED_CODE;
+        any_guided = any_guided || list.rounding_modes[k] == Q8_ROUND_GUIDED_CODE;
     }
-    TORCH_CHECK_VALUE(guided || !any_guided, "stochastic_states: the CUDA step takes guided rounding only as "
+    TORCH_CHECK_VALUE(guided || !any_guided, "rounding_modes: the CUDA step takes guided rounding only as "
                       "state_rounding=\"guided\" gives it (", Q8_ROUND_GUIDED_CODE, ", by the old code, for every "
                       "state); mix nearest (", Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
     if (!minifloat)

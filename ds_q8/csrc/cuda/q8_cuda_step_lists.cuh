@@ -41,7 +41,7 @@ struct StepList {
     int32_t block_shift, threads_per_qblock;  // log2 of the block size, T = block size / kElems
     int32_t count, tiles;                   // tensors and tiles of the launch
     bool stochastic;                        // 16-bit parameter writes rounded stochastically
-    uint8_t stochastic_states[Q8_MAX_STATES];  // how each 8-bit state is requantized (Q8_ROUND_*)
+    uint8_t rounding_modes[Q8_MAX_STATES];  // how each 8-bit state is requantized (Q8_ROUND_*)
     uint8_t map_kind[Q8_MAX_STATES];        // each state's map (Q8MapKind: the lookup tensor's kDeviceMapKind)
     int8_t table_slot[Q8_MAX_STATES];       // where its FloorTable is in shared memory, -1 for none
     const StepSlot* slot;                   // device memory: the tensors' slots,

@@ -154,18 +154,17 @@ inline bool check_rounding(const std::vector<int64_t>& sr_keys, const std::vecto
 // How each of an 8-bit step's k states is requantized: empty (all to nearest) or one Q8_ROUND_* per state.
 // Random bits need the keys (`has_keys`, from check_rounding); so do stochastic parameter writes,
 // which are off without keys whatever the flag says.
-inline void check_stochastic_choices(bool has_keys, const std::vector<int64_t>& states, size_t k) {
-    TORCH_CHECK_VALUE(states.empty() || states.size() == k, "stochastic_states must be empty or have one entry per "
+inline void check_rounding_modes(bool has_keys, const std::vector<int64_t>& states, size_t k) {
+    TORCH_CHECK_VALUE(states.empty() || states.size() == k, "rounding_modes must be empty or have one entry per "
                       "state (", k, "), got ", states.size());
     bool any = false;
     for (int64_t s : states) {
         TORCH_CHECK_VALUE(s == Q8_ROUND_NEAREST || s == Q8_ROUND_STOCHASTIC || s == Q8_ROUND_GUIDED_CODE,
-                          "stochastic_states entries must be ", Q8_ROUND_NEAREST, " (nearest), ", Q8_ROUND_STOCHASTIC,
-                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s,
-                          s == 2 ? " (guidance by the update is the PyTorch reference's alone)" : "");
+                          "rounding_modes entries must be ", Q8_ROUND_NEAREST, " (nearest), ", Q8_ROUND_STOCHASTIC,
+                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s);
         any = any || s != Q8_ROUND_NEAREST;
     }
-    TORCH_CHECK_VALUE(has_keys || !any, "stochastic_states needs sr_keys and sr_index (the random bits' keys)");
+    TORCH_CHECK_VALUE(has_keys || !any, "rounding_modes needs sr_keys and sr_index (the random bits' keys)");
 }
 
 // The correction bytes of a step over params: none, or one int8 tensor per param, each with the

@@ -67,7 +67,7 @@ constexpr int64_t Q8_MAX_BLOCK = 4096;
 constexpr int Q8_MAX_STATES = 3;
 // How a state is requantized (group_options.py ROUND_*): to nearest, stochastically, or guided by its old
 // code (stochastically where the old code is one of the two entries around the value, else to nearest).
-// 2, guidance by the update, is a rule of the PyTorch reference alone (a study); the kernels refuse it.
+// 2 is not a mode (guidance by the update, once a study's rule, left the library).
 constexpr int Q8_ROUND_NEAREST = 0;
 constexpr int Q8_ROUND_STOCHASTIC = 1;
 constexpr int Q8_ROUND_GUIDED_CODE = 3;

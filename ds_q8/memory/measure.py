@@ -1,9 +1,9 @@
 """Model states (parameters, gradients, masters, master gradients, optimizer state) counted on a live
 DeepSpeed engine, to check the ladder that ``python -m ds_q8.memory --ladder`` predicts
-(``memory.predict_model_states``; ``studies/xl_memory.py``, ``tests/test_memory_ladder.py``):
+(``predict.predict_model_states``; ``studies/xl_memory.py``, ``tests/test_memory_ladder.py``):
 :func:`measure_model_states` reads the optimizer's own tensors, :func:`watch_model_states` counts every
 storage reachable from the engine, once, after backward and while the optimizer steps.
-:func:`measured_state_bytes` counts the optimizer state alone (``memory.estimate_state_bytes`` predicts it).
+:func:`measured_state_bytes` counts the optimizer state alone (``predict_state.estimate_state_bytes`` predicts it).
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Dict
 
 import torch
 
-from .optim.base import Optimizer8bitBlock
-from .optim.state_keys import has_storage
+from ..optim.base import Optimizer8bitBlock
+from ..optim.state_keys import has_storage
 
 def _base_optimizer(obj):
     """Follow ``.optimizer`` from an engine or ZeRO wrapper down to the torch optimizer."""

@@ -1,4 +1,4 @@
-"""The rows and tables of ``python -m ds_q8.bench`` (``bench.py``: the command and its report).
+"""The rows and tables of ``python -m ds_q8.tools.bench`` (``bench.py``: the command and its report).
 
 A row is a dict with a ``name``, the ``bytes`` per element its step must move at least and a ``step``
 function; :func:`measure` times the rows of a table in interleaved rounds and :func:`table` turns the
@@ -105,7 +105,7 @@ def _add_peer_rows(add, param, device: str) -> None:
         def deepspeed_cpu_adam():
             from deepspeed.ops.adam import DeepSpeedCPUAdam
             from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
-            from .op_builder.notice import announce_deepspeed_op
+            from ..op_builder.notice import announce_deepspeed_op
 
             announce_deepspeed_op(CPUAdamBuilder, "DeepSpeed's cpu_adam op for its row", "about a minute")
             return DeepSpeedCPUAdam(param(4), lr=LR, weight_decay=WD, adamw_mode=True).step

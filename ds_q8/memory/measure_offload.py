@@ -1,8 +1,8 @@
 """Host memory of a live ZeRO-Offload engine (``"offload_optimizer": {"device": "cpu"}``), counted once per
-storage, to check what ``ds_q8.host_memory`` predicts (``python -m ds_q8.memory --offload``).
+storage, to check what ``ds_q8.memory.predict_offload`` predicts (``python -m ds_q8.memory --offload``).
 
 :func:`measure_host_states` names each host buffer by the part it plays (the parts of
-``host_memory.HOST_PARTS``) and also counts every host storage reachable from the engine
+``predict_offload.HOST_PARTS``) and also counts every host storage reachable from the engine
 (:func:`host_storages`), so a buffer that no part names shows up as a difference between the two.
 Scalars (step counters, norms, flags: storages of one element) are left out of both.
 
@@ -17,7 +17,7 @@ from typing import Dict, Iterable
 
 import torch
 
-from .model_states import _base_optimizer, reachable_storages
+from .measure import _base_optimizer, reachable_storages
 
 #: the ZeRO wrapper's attributes that live on the accelerator (ZeRO-1/2 and ZeRO-3)
 DEVICE_BUFFERS = ("bit16_groups_flat", "parallel_partitioned_bit16_groups", "temp_grad_buffer_for_gpu_offload",

@@ -1,4 +1,4 @@
-"""Optimizer step and (de)quantization throughput: ``python -m ds_q8.bench [--n N] [--device cpu|cuda]``.
+"""Optimizer step and (de)quantization throughput: ``python -m ds_q8.tools.bench [--n N] [--device cpu|cuda]``.
 
 Every implementation steps its own fp32 parameter of N elements. Repetitions are interleaved
 (one step of each implementation per round) so that load from other processes hits all of them
@@ -46,7 +46,7 @@ import torch
 
 from ds_q8 import functional as F
 from ds_q8 import ops
-from ds_q8.bench_rows import (GPT2_BLOCK_SHAPES, _release, block_rows, copy_rows, in_cache_table, measure,
+from ds_q8.tools.bench_rows import (GPT2_BLOCK_SHAPES, _release, block_rows, copy_rows, in_cache_table, measure,
                               muon_ns_dtype, muon_rows, optimizer_rows, parse_shape, partition_rows, print_table,
                               quantize_rows, table)
 
@@ -103,7 +103,7 @@ def _arguments(argv) -> argparse.Namespace:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m ds_q8.bench", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m ds_q8.tools.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1 << 25, help="parameters per optimizer (default 2^25)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=5, help="interleaved repetitions (median is reported)")

@@ -1,5 +1,5 @@
 """Optimizer-state bytes of what one rank holds, predicted for a model / ZeRO stage / world size
-(``model_states.measured_state_bytes`` measures them; ``ds_q8.memory`` prints them).
+(``measure.measured_state_bytes`` measures them; ``ds_q8.memory`` prints them).
 
 The prediction follows how ZeRO lays out what the optimizer sees:
   * stage 0: every parameter is its own tensor on every rank;
@@ -17,16 +17,16 @@ from __future__ import annotations
 import math
 from typing import List, Sequence
 
-from . import functional as F
-from .optim.codecs import codec_for
-from .optim.layout import Segment, StateLayout, shared_blocks
-from .optim.qstate import QuantizedState
+from .. import functional as F
+from ..optim.codecs import codec_for
+from ..optim.layout import Segment, StateLayout, shared_blocks
+from ..optim.qstate import QuantizedState
 
 
 def _num_states(optimizer: str, optimizer_params: dict = None) -> int:
     """How many states ``optimizer`` keeps per tensor when built with ``optimizer_params``, as its
     ``rule_for`` answers for the group it forms (RMSprop8bitBlock with momentum: two)."""
-    from .registry import OPTIMIZERS
+    from ..registry import OPTIMIZERS
 
     if optimizer in OPTIMIZERS:
         return OPTIMIZERS[optimizer].rule_when_built(**(optimizer_params or {})).num_states

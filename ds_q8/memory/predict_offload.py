@@ -1,13 +1,13 @@
 """Host and device bytes per rank under ZeRO-Offload (``"offload_optimizer": {"device": "cpu"}``), predicted
-from the parameter sizes; ``ds_q8.host_states`` counts the host part on a live engine.
+from the parameter sizes; ``ds_q8.memory.measure_offload`` counts the host part on a live engine.
 
 ``python -m ds_q8.memory --offload --model gpt2-xl --stage 2 3 --world-size 1 8`` prints a table per row
 of :data:`OFFLOAD_ROWS`. What a rank holds on the host, following DeepSpeed 0.19's layouts:
 
-* stages 1 and 2 (one flat partition per parameter group, padded as ``state_memory.rank_segments`` pads it):
+* stages 1 and 2 (one flat partition per parameter group, padded as ``predict_state.rank_segments`` pads it):
   the master partition and its gradient (4 bytes each with fp32 masters, 2 with bf16), the optimizer
   state (two moments for every element of the partition, or ds_q8's 8-bit state per parameter slice,
-  ``state_memory.estimate_state_bytes``, plus the correction byte per element where asked for), a bf16 image of
+  ``predict_state.estimate_state_bytes``, plus the correction byte per element where asked for), a bf16 image of
   the masters that is copied to the device (2), DeepSpeed's ``temp_grad_buffer_for_cpu_offload`` (2 bytes
   per element of the largest parameter; never used) and, with fp32 masters and gradient accumulation,
   a bf16 buffer per parameter of the partition, whole (2 per element);
@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Sequence
 
-from . import functional as F
-from .state_memory import estimate_state_bytes, rank_layout, rank_segments
+from .. import functional as F
+from .predict_state import estimate_state_bytes, rank_layout, rank_segments
 
 #: row -> (label, JSON optimizer type, master bytes, bytes of each Adam moment (None: ds_q8's 8-bit state),
 #: correction bytes per master element)
@@ -66,7 +66,7 @@ def state_index_bytes(groups, stage: int, world_size: int, rank: int, block_size
                       group_bits: Sequence[int] = None) -> int:
     """Bytes of a ds_q8 optimizer's index of the 8-bit blocks that partition edges cut on ``rank``
     (``StateLayout.shared_index``: four int64 per element of such a block part, two per part; tensors of
-    one element are scalars, left out as ``host_states`` leaves them out)."""
+    one element are scalars, left out as ``measure_offload`` leaves them out)."""
     total = 0
     for gi, sizes in enumerate(groups):
         bits = group_bits[gi] if group_bits is not None else 8
@@ -84,7 +84,7 @@ def predict_host_states(groups: Sequence[Sequence[int]], row: str, stage: int = 
                         gradient_accumulation_steps: int = 1, grad_accum_bytes: int = PARAM_BYTES,
                         host_copies: bool = True) -> Dict[str, int]:
     """Host bytes of one rank (``rank``; None: the rank that holds the most) of a ZeRO-Offload engine,
-    part by part (``HOST_PARTS``, as ``host_states.measure_host_states`` names them), for ``groups``
+    part by part (``HOST_PARTS``, as ``measure_offload.measure_host_states`` names them), for ``groups``
     (each parameter group's parameter sizes) and a row of :data:`OFFLOAD_ROWS`.
 
     ``gradient_accumulation_steps`` > 1 adds ZeRO-1/2's per-parameter buffers with fp32 masters;

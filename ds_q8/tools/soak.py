@@ -1,6 +1,6 @@
 """Soak test: many small optimizer steps, watching memory and kernel-vs-reference drift.
 
-  python -m ds_q8.soak --steps 5000 --out soak.json
+  python -m ds_q8.tools.soak --steps 5000 --out soak.json
 
 Two Adam8bitBlock optimizers train identical copies of a small MLP on identical gradients: one
 dispatches to the compiled kernel (``ds_q8.ops``) and one is forced onto the pure-PyTorch
@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from .optim import Adam8bitBlock
+from ..optim import Adam8bitBlock
 
 
 def rss_bytes() -> int:
@@ -51,7 +51,7 @@ def drift(a: nn.Module, oa, b: nn.Module, ob) -> float:
 
 def kernel_available(model, opt) -> bool:
     """Whether the fused kernels take the 8-bit step for this optimizer (probed on a throwaway copy)."""
-    from .optim import step as S
+    from ..optim import step as S
 
     p = next(q for q in model.parameters() if q.numel() >= opt.param_groups[0]["min_8bit_size"])
     probe = nn.Parameter(p.detach().clone())
@@ -97,7 +97,7 @@ def run(steps: int, warmup: int, every: int, width: int, batch: int, seed: int, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ds_q8.soak", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m ds_q8.tools.soak", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5000)
     ap.add_argument("--warmup", type=int, default=200, help="steps before the RSS baseline is taken")

@@ -1,11 +1,12 @@
-"""Memory per rank predicted for a model / ZeRO stage / world size, and the command that prints it.
+"""Memory per rank predicted for a model / ZeRO stage / world size (the model states of each way to train,
+the ladder), and the command that prints it.
 
 ``python -m ds_q8.memory --model gpt2-xl --stage 2 --world-size 1 8`` prints a table comparing
-32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state (``state_memory``
-predicts what each rank holds; ``model_states.py`` measures it); ``--ladder`` prints the whole model
-states of each way to train with bf16 parameters (the ladder; ``model_states.py`` counts them on live
-engines); ``--offload`` the host and device bytes under ZeRO-Offload (``host_memory`` predicts them,
-``host_states`` counts them on live engines).
+32-bit state (torch Adam: two fp32 tensors) with ds_q8's 8-bit block-wise state (``predict_state``
+predicts what each rank holds; ``measure.py`` measures it); ``--ladder`` prints the whole model
+states of each way to train with bf16 parameters (the ladder; ``measure.py`` counts them on live
+engines); ``--offload`` the host and device bytes under ZeRO-Offload (``predict_offload`` predicts them,
+``measure_offload`` counts them on live engines).
 """
 from __future__ import annotations
 
@@ -14,10 +15,9 @@ import json
 import math
 from typing import Dict, Iterable, List, Sequence
 
-from . import functional as F
-from . import host_memory
-from .state_memory import (estimate_state_bytes, rank_layout, rank_segments, state_tensor_sizes,  # noqa: F401
-                           tensor_state_bytes)
+from .. import functional as F
+from . import predict_offload
+from .predict_state import estimate_state_bytes
 
 
 # ---------------------------------------------------------------------------- model states
@@ -158,7 +158,7 @@ def _print_offload(args, groups, label) -> int:
         raise SystemExit(f"--grad-accum must be an integer >= 1, got {args.grad_accum}")
     if 0 in args.stage:
         raise SystemExit("--offload needs a ZeRO stage of 1, 2 or 3 (ZeRO-Offload), got 0")
-    rows = host_memory.offload_table(groups, args.stage, args.world_size, block_size=args.block_size,
+    rows = predict_offload.offload_table(groups, args.stage, args.world_size, block_size=args.block_size,
                                      min_8bit_size=args.min_8bit_size, gradient_accumulation_steps=args.grad_accum)
     return _emit(args.json, {"model": label, "offload": rows}, [
         f"ZeRO-Offload, {label}, bf16 parameters, gradient accumulation {args.grad_accum}, "
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", choices=sorted(GPT2_SIZES), default="gpt2-xl", help="a GPT-2 size (shapes only)")
     src.add_argument("--params", type=float, help="a single parameter group of this many elements")
-    src.add_argument("--decoder", choices=sorted(host_memory.DECODERS),
+    src.add_argument("--decoder", choices=sorted(predict_offload.DECODERS),
                      help="a Llama-style decoder of this size (shapes only: Llama-2's)")
     ap.add_argument("--stage", type=int, nargs="+", default=[2], choices=[0, 1, 2, 3])
     ap.add_argument("--world-size", type=int, nargs="+", default=[1, 8])
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
                          "parameters themselves (what a bf16-master config gets)")
     ap.add_argument("--offload", action="store_true",
                     help="instead: host and device bytes per rank under ZeRO-Offload (offload_optimizer cpu) for "
-                         "DeepSpeed's AdamW and ds_q8, fp32 and bf16 masters (ds_q8.host_memory)")
+                         "DeepSpeed's AdamW and ds_q8, fp32 and bf16 masters (ds_q8.memory.predict_offload)")
     ap.add_argument("--grad-accum", type=int, default=1,
                     help="with --offload: gradient accumulation steps (more than 1 adds DeepSpeed's per-parameter "
                          "gradient buffers on the host at stages 1 and 2 with fp32 masters)")
@@ -201,7 +201,7 @@ def main(argv=None) -> int:
             ap.error(f"--params must be >= 1, got {args.params}")
         groups, label = [[int(args.params)]], f"{int(args.params):,} parameters"
     elif args.decoder is not None:
-        groups = host_memory.decoder_param_groups(*host_memory.DECODERS[args.decoder])
+        groups = predict_offload.decoder_param_groups(*predict_offload.DECODERS[args.decoder])
         label = f"{args.decoder} decoder ({sum(map(sum, groups)):,} parameters)"
     else:
         groups = gpt2_param_groups(*GPT2_SIZES[args.model])
@@ -234,6 +234,3 @@ def main(argv=None) -> int:
         *(f"{r['stage']:>5} {r['world_size']:>5} {_fmt(r['bytes_32bit']):>12} {_fmt(r['bytes_8bit']):>12} "
           f"{r['ratio']:>6.3f}" for r in rows)])
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
