@@ -89,5 +89,7 @@ def test_deepspeed_trains_bf16_masters_from_fp32_compute(tmp_path):
     fast, plain = runs["fp32"], runs["bf16"]
     assert fast["compute"] == "fp32" and plain["compute"] == "bf16"
     assert fast["masters"] == plain["masters"] == "bf16"
-    assert fast["optimizer_state_bytes"] == plain["optimizer_state_bytes"] == 4 * fast["n_params"]  # 2 bf16 moments
+    # two bf16 moments a parameter (and a step count a tensor)
+    assert fast["optimizer_state_bytes"] == plain["optimizer_state_bytes"] == pytest.approx(4 * fast["n_params"],
+                                                                                             abs=100)
     assert fast["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=0.02)
