@@ -75,10 +75,10 @@ MIN_STEPS = 50  # the fewest the budget may choose: past the warm-up (30 steps) 
 #: the time model of plan(), fitted on the 2-core Intel Xeon of docs/development.md: one training step is
 #: STEP_FACTOR forward-and-backward passes of the probe plus the optimizer's STEP_EXTRA_S (0.19-0.22 s a step
 #: against a probe's 0.17 s); a run adds RUN_OVERHEAD_S (starting Python, DeepSpeed and the engine, ten
-#: evaluations and the checkpoint: 16-20 s)
+#: evaluations and the checkpoint: 16-20 s); a Muon run adds RUN_EXTRA's seconds a step and a run (its
+#: Newton-Schulz iterations, and DeepSpeed's Muon module, compiled on import)
 STEP_FACTOR, STEP_EXTRA_S, RUN_OVERHEAD_S = 1.2, 0.02, 18.0
-#: bf16 runs compute in fp32 from their bf16 weights when bf16 takes more than this times as long
-SLOW_BF16 = 1.25
+RUN_EXTRA = {"muon": (0.12, 25.0), "muon8bit": (0.12, 25.0)}
 
 
 def parse_args(argv=None):
@@ -188,23 +188,26 @@ def plan(args, start: float) -> dict:
     n_layer = passed(args, "--n_layer", None)
     probe = cpu_probe.measure(model, context, micro, n_layer=int(n_layer) if n_layer else None)
     p.update(cpu=probe.cpu, probe=probe.describe(), seconds=probe.seconds)
-    slow = probe.seconds["bf16"] > SLOW_BF16 * probe.seconds["bf16_fp32_compute"]
+    slow = probe.bf16_is_slow()
     if args.compute is None:
+        ratio = probe.seconds["bf16"] / probe.seconds["bf16_fp32_compute"]
         p["compute"] = "fp32" if slow else "bf16"
-        p["why"] = (f"bf16 takes {probe.seconds['bf16'] / probe.seconds['bf16_fp32_compute']:.1f}x the time of "
-                    "fp32 compute from bf16 weights here (no native bf16 matrix products): the bf16 runs compute "
-                    "in fp32 from their bf16 weights; masters, gradients and state stay bf16" if slow else
-                    "bf16 is as fast as fp32 here: the bf16 runs compute in bf16")
+        p["why"] = (f"no native bf16 matrix products here (bf16 took {ratio:.1f}x the time of fp32 compute from "
+                    "bf16 weights): the bf16 runs compute in fp32 from their bf16 weights; masters, gradients and "
+                    "state stay bf16" if slow else
+                    f"native bf16 matrix products here (bf16 took {ratio:.1f}x the time of fp32 compute from bf16 "
+                    "weights): the bf16 runs compute in bf16")
     else:
         p["why"] = f"--compute {args.compute}"
     per_step = sum(STEP_FACTOR * probe.seconds["bf16" if bf16[r] and p["compute"] == "bf16" else
-                                                "bf16_fp32_compute" if bf16[r] else "fp32"] + STEP_EXTRA_S
-                   for r in args.runs)
-    left = args.budget_s - (time.time() - start) - RUN_OVERHEAD_S * len(args.runs)
+                                                "bf16_fp32_compute" if bf16[r] else "fp32"]
+                   + STEP_EXTRA_S + RUN_EXTRA.get(r, (0.0, 0.0))[0] for r in args.runs)
+    overhead = sum(RUN_OVERHEAD_S + RUN_EXTRA.get(r, (0.0, 0.0))[1] for r in args.runs)
+    left = args.budget_s - (time.time() - start) - overhead
     if args.max_steps is None:
         fit = int(left / per_step) // 10 * 10
         p["steps"] = max(MIN_STEPS, min(DEFAULT_STEPS, fit))
-    p["expected_s"] = per_step * p["steps"] + RUN_OVERHEAD_S * len(args.runs)
+    p["expected_s"] = per_step * p["steps"] + overhead
     return p
 
 

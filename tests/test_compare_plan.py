@@ -15,8 +15,10 @@ import cpu_probe
 CPU = "Some CPU"
 
 
-def fake_probe(fp32, bf16, bf16_fp32_compute):
-    return cpu_probe.Probe(cpu=CPU, capability="AVX2", onednn_bf16=bf16 < 2 * fp32, threads=2,
+def fake_probe(fp32, bf16, bf16_fp32_compute, onednn_bf16="from the times"):
+    if onednn_bf16 == "from the times":
+        onednn_bf16 = bf16 < 2 * fp32
+    return cpu_probe.Probe(cpu=CPU, capability="AVX2", onednn_bf16=onednn_bf16, threads=2,
                            seconds=dict(fp32=fp32, bf16=bf16, bf16_fp32_compute=bf16_fp32_compute),
                            shape="tiny GPT, 16 x 128 tokens")
 
@@ -38,7 +40,7 @@ def plan(*argv, start=None):
 def test_without_native_bf16_the_bf16_runs_compute_in_fp32(probed):
     probed(fp32=0.25, bf16=2.2, bf16_fp32_compute=0.26)  # an AVX2 CPU (AVX2 emulated on a Xeon)
     args, p = plan()
-    assert p["compute"] == "fp32" and p["cpu"] == CPU and "no native bf16" in p["why"]
+    assert p["compute"] == "fp32" and p["cpu"] == CPU and p["why"].startswith("no native bf16")
     assert p["bf16"] == {r: r in ("bf16_states", "8bit_bf16", "8bit_bf16_nosr", "8bit_bf16_corr", "4bit_bf16")
                          for r in compare.RUNS}
     # nine runs fit the budget at the probe's speed
@@ -55,11 +57,23 @@ def test_without_native_bf16_the_bf16_runs_compute_in_fp32(probed):
 def test_with_native_bf16_the_bf16_runs_compute_in_bf16(probed):
     probed(fp32=0.17, bf16=0.15, bf16_fp32_compute=0.18)  # the Xeon's AMX
     args, p = plan("--runs", "32bit", "8bit_bf16")
-    assert p["compute"] == "bf16" and "as fast as fp32" in p["why"]
+    assert p["compute"] == "bf16" and p["why"].startswith("native bf16")
     cmd = compare.train_command(args, "8bit_bf16", p, 1)
     assert cmd[cmd.index("--compute") + 1] == "bf16"
     # two runs at this speed fit the most steps
     assert p["steps"] == compare.DEFAULT_STEPS
+
+
+def test_torch_s_answer_outweighs_a_busy_moment(probed):
+    """On a shared CPU one busy moment can make bf16 look slower than it is (1.7x, measured so on the Xeon
+    with native bf16 while other jobs ran); torch's answer decides, the timing only where torch gives none
+    or where bf16 is far slower."""
+    probed(fp32=4.3, bf16=3.9, bf16_fp32_compute=2.3, onednn_bf16=True)
+    assert plan()[1]["compute"] == "bf16"
+    probed(fp32=0.25, bf16=2.2, bf16_fp32_compute=0.26, onednn_bf16=None)
+    assert plan()[1]["compute"] == "fp32"
+    probed(fp32=0.25, bf16=0.3, bf16_fp32_compute=0.26, onednn_bf16=False)
+    assert plan()[1]["compute"] == "fp32"
 
 
 def test_the_steps_follow_the_budget_and_an_explicit_count_wins(probed):
