@@ -24,12 +24,13 @@ Arguments after ``--`` (and any this script does not know) go to every run of tr
 All runs share model, data, seed, steps and schedule; only the DeepSpeed config differs.
 
 On a CPU, before the first step (:func:`plan`): the ops a first run compiles are built, and launch/cpu_probe.py
-times the model's forward and backward in fp32, in bf16, and in fp32 read from bf16 weights. Where bf16 is
-slower than the last (a CPU without native bf16 matrix products: AVX2), the bf16 runs compute in fp32 from
-their bf16 weights (``train_gpt.py --compute fp32``; masters, gradients and optimizer state stay bf16). Without
-``--max_steps`` the step count is the most, up to 200, that fits ``--budget_s`` at the probe's speed (at least
-:data:`MIN_STEPS`). The plan and the expected time are printed before the first run; the report states what
-each run computed in, its masters, state, model and steps, and the CPU (``<save_dir>/plan.json``).
+times the model's forward and backward in fp32, in bf16, and in fp32 read from bf16 weights. Where torch has
+no native bf16 matrix products (oneDNN says so, or bf16 measured 2.5x slower than the last: AVX2 CPUs), the
+bf16 runs compute in fp32 from their bf16 weights (``train_gpt.py --compute fp32``; masters, gradients and
+optimizer state stay bf16). Without ``--max_steps`` the step count is the most, up to 200, that fits
+``--budget_s`` at the probe's speed (at least :data:`MIN_STEPS`). The plan and the expected time are printed
+before the first run; the report states what each run computed in, its masters, state, model and steps, and
+the CPU (``<save_dir>/plan.json``).
 Writes ``<save_dir>/report.md`` and ``<save_dir>/loss.png``; the runs live in ``<save_dir>/<run>``
 (each with metrics.jsonl and summary.json).
 """
@@ -330,7 +331,8 @@ def report(runs: dict, plot_name: str, p: dict = None) -> str:
     ]
     muon_base = summaries.get(MUON_BASELINE)
     if muon_base is not None and "muon8bit" in summaries:
-        rows.insert(8, ("eval loss vs DeepSpeed Muon", lambda s, m: (
+        after = [label for label, _ in rows].index("eval loss vs 32-bit") + 1
+        rows.insert(after, ("eval loss vs DeepSpeed Muon", lambda s, m: (
             f"{100 * (s['final_eval_loss'] / muon_base['final_eval_loss'] - 1):+.2f}%" if "muon_params" in s else "")))
     if any("muon_params" in s for s in summaries.values()):
         rows.append(("Muon momentum per Muon parameter (bytes)", lambda s, m: (
