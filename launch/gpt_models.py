@@ -67,3 +67,82 @@ def count_params_on_meta(config) -> int:
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
     return sum(p.numel() for p in model.parameters())
+
+
+#: what compute_in_fp32 passes through uncast: writes into a tensor (a cast copy would take the write) and
+#: attribute reads (``.dtype``, ``.shape``: nothing to compute, and a cast would copy the weight to read them)
+_NOT_CAST = frozenset({"__setitem__", "__delitem__", "__set__", "__get__", "__iadd__", "__isub__", "__imul__",
+                       "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__",
+                       "__ixor__", "__ilshift__", "__irshift__"})
+
+
+def compute_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """Run ``model``'s forward (and so its backward) in fp32 while its weights stay bf16.
+
+    For bf16 training on a CPU without native bf16 matrix products, where torch takes a generic path many
+    times slower than fp32 (launch/cpu_probe.py measures it). Every bf16 tensor an operation inside the
+    forward reads is cast to fp32 first, so activations and products are fp32; autograd casts each weight's
+    gradient back to the weight's dtype, so DeepSpeed still receives bf16 gradients and keeps bf16 masters,
+    and the optimizer steps them as after a bf16 forward. Each gradient is the fp32 gradient rounded to bf16
+    once. Writes (in-place operations, ``out=``) and attribute reads pass through uncast (:data:`_NOT_CAST`).
+    Returns ``model``, changed in place.
+    """
+    import functools
+
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._pytree import tree_map
+
+    class ReadAsFp32(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            # one fp32 copy of each bf16 tensor a forward reads: a weight read twice (the tied embedding and
+            # LM head) then gets one gradient, summed in fp32 and rounded to bf16 once, as every other weight
+            self.copies = {}
+
+        def upcast(self, x):
+            if not (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16):
+                return x
+            hit = self.copies.get(id(x))  # the tensor is held: its id is not reused while the forward runs
+            if hit is None or hit[0] is not x or hit[1] != x._version:
+                hit = self.copies[id(x)] = (x, x._version, x.float())
+            return hit[2]
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = getattr(func, "__name__", "")
+            writes = name.endswith("_") and not name.endswith("__")
+            if not writes and name not in _NOT_CAST and "out" not in kwargs:
+                args, kwargs = tree_map(self.upcast, args), tree_map(self.upcast, kwargs)
+            return func(*args, **kwargs)
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def fp32_forward(*args, **kwargs):
+        with ReadAsFp32():
+            return forward(*args, **kwargs)
+
+    model.forward = fp32_forward
+    return model
+
+
+def native_bf16(device: str = "cpu") -> Optional[bool]:
+    """Whether bf16 matrix products run natively on ``device``: on a CPU, whether torch sends them to oneDNN
+    (AVX-512 with bf16 support, or AMX; not AVX2, where they take a generic path many times slower than fp32);
+    on CUDA, whether the GPU has bf16. None when torch does not say (the CPU check is an internal op of torch's)."""
+    if device != "cpu":
+        return bool(torch.cuda.is_bf16_supported())
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def bf16_compute(choice: str, device: str = "cpu") -> str:
+    """What a bf16 run's forward and backward compute in for ``--compute choice``: ``bf16`` or ``fp32``
+    (:func:`compute_in_fp32`); ``auto`` is fp32 where :func:`native_bf16` says no, else bf16."""
+    if choice not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"--compute must be auto, bf16 or fp32, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "fp32" if native_bf16(device) is False else "bf16"

@@ -76,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="tokens per sequence (default 128 for tiny, 1024 for the GPT-2 sizes)")
     ap.add_argument("--dropout", type=float, default=0.0, help="dropout probability")
     ap.add_argument("--stable_embedding", action="store_true", help="ds_q8.StableEmbedding for the tokens")
+    ap.add_argument("--compute", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="what a bf16 config's forward and backward compute in: bf16, or fp32 read from the bf16 "
+                         "weights (masters, gradients and optimizer state stay as the config says; "
+                         "gpt_models.compute_in_fp32); auto: fp32 on a CPU without native bf16 matrix products, "
+                         "where bf16 is many times slower, else bf16. An fp32 config computes in fp32 (default: auto)")
     ap.add_argument("--data", default=None, help="text file or folder (default: Python's standard library)")
     ap.add_argument("--tokenizer", default=None, help="local tokenizer folder (default: bytes, vocab 256)")
     ap.add_argument("--micro_batch", type=positive_int, default=None,
@@ -107,6 +112,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=non_negative_int, default=1234, help="model initialisation and data order")
     ap.add_argument("--tensorboard", action="store_true", help="also log to <save_dir>/tensorboard")
     ap.add_argument("--no_progress", action="store_true", help="no progress bar")
+    ap.add_argument("--label", default=None, help="what the progress bar says it runs (default: the model, "
+                                                  "the config's name and the precision of compute)")
     ap.add_argument("--master_port", type=positive_int, default=None, help="rendezvous port (one rank / MPI)")
     ap.add_argument("--dist_timeout", type=positive_int, default=dist_setup.DEFAULT_TIMEOUT_S,
                     help="seconds a rank waits in a collective for the others before failing (a dead or hung "
@@ -262,6 +269,8 @@ class Run:
     device: object
     mbs: int  # sequences per rank per micro-step
     gas: int  # micro-steps per optimizer step
+    compute: str = "fp32"  # what the forward and backward compute in (compute_dtype)
+    label: str = ""  # the progress bar's description
 
     @property
     def tokens_per_step(self) -> int:
@@ -298,6 +307,14 @@ def load_data(args) -> tuple:
     return tokenizer, train, val
 
 
+def compute_dtype(args, cfg: dict) -> str:
+    """What this run's forward and backward compute in, ``bf16`` or ``fp32`` (--compute; an fp32 config
+    computes in fp32)."""
+    if not cfg.get("bf16", {}).get("enabled", False):
+        return "fp32"
+    return gpt_models.bf16_compute(args.compute, "cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     """``(model, DeepSpeed engine, parameter count)``, the count taken before ZeRO partitions the parameters.
     ds_q8's kernels are loaded here: a first run compiles them before the progress bar starts."""
@@ -309,6 +326,8 @@ def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     bf16 = bool(cfg.get("bf16", {}).get("enabled", False))
     model = gpt_models.build_model(config, args.stable_embedding, torch.bfloat16 if bf16 else None)
     n_params = sum(p.numel() for p in model.parameters())
+    if compute_dtype(args, cfg) == "fp32" and bf16:
+        gpt_models.compute_in_fp32(model)  # bf16 weights, gradients and masters; fp32 arithmetic
     groups = ds_q8.param_groups(model, config_weight_decay(cfg))  # embeddings keep 32-bit state
     if args.copy_bf16_masters:
         from ds_q8.integration import host_copies, shared_masters
@@ -400,7 +419,7 @@ def train_loop(run: Run, train, val, telemetry, log, start_step: int) -> tuple:
     step_times = []
     eval_loss = None
     end_step = args.stop_at or args.max_steps
-    bar = tqdm(range(start_step, end_step), initial=start_step, total=args.max_steps,
+    bar = tqdm(range(start_step, end_step), initial=start_step, total=args.max_steps, desc=run.label,
                disable=rank != 0 or args.no_progress, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
@@ -442,6 +461,8 @@ def summarize(run: Run, model, n_params: int, start_step: int, step_times, eval_
     summary = dict(
         model=args.model, n_params=n_params, world_size=run.world, config=str(args.deepspeed_config),
         optimizer=type(innermost_optimizer(engine)).__name__, steps=args.max_steps, start_step=start_step,
+        context=args.context, micro_batch=run.mbs, compute=run.compute,
+        masters="bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp32",
         final_eval_loss=eval_loss, final_eval_ppl=math.exp(min(eval_loss, 50.0)),
         mean_step_time_s=sum(steady) / len(steady) if steady else None,
         tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else None,
@@ -487,8 +508,11 @@ def main(argv=None) -> dict:
     tokenizer, train, val = load_data(args)
     model, engine, n_params = build_engine(args, cfg, tokenizer.vocab_size)
     telemetry = quantization_telemetry(engine, args.quant_report_interval, rank)
+    compute = compute_dtype(args, cfg)
+    masters = "bf16" if cfg.get("bf16", {}).get("enabled", False) else "fp32"
+    label = args.label or f"{args.model} {Path(args.deepspeed_config).stem} ({masters} masters, {compute} compute)"
     run = Run(args, rank, world, engine, engine.device, engine.train_micro_batch_size_per_gpu(),
-              engine.gradient_accumulation_steps())
+              engine.gradient_accumulation_steps(), compute, label)
     start_step = first_step(run, resume)
     log = MetricsLog(args.save_dir, start_step, args.tensorboard) if rank == 0 else None
     if rank == 0:

@@ -99,9 +99,8 @@ def test_kill_when_the_checkpoint_folder_appears(full, tmp_path):
                              "--no_progress", *SMALL, *STEPS], cwd=REPO, env=env(2),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "step4").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before step 4"
+        while not (tmp_path / "step4").exists():  # as long as the run takes, within the test's own limit
+            assert proc.poll() is None, "the run ended before step 4"
             time.sleep(0.002)
         os.kill(proc.pid, signal.SIGKILL)
     finally:

@@ -1,6 +1,7 @@
 """Real training runs of the tiny model on CPU: determinism, resume, refusal to clobber, comparison report."""
 from __future__ import annotations
 
+import json
 import math
 import sys
 
@@ -95,6 +96,12 @@ def test_comparison_report_and_plot(tmp_path):
     assert "| optimizer | Adam | Adam8bitBlock | Adam8bitBlock |" in text
     assert "| eval loss vs 32-bit | +0.00% |" in text and "8-bit, bf16 masters, stochastic rounding" in text
     assert "final eval perplexity" in text and "![train and eval loss](loss.png)" in text
+    # what each run ran, and where: the plan chosen before the first run from the probe of this CPU
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["steps"] == 4 and plan["compute"] in ("bf16", "fp32") and plan["cpu"]
+    assert f"| compute (forward and backward) | fp32 | fp32 | {plan['compute']} |" in text
+    assert "| master weights | fp32 | fp32 | bf16 |" in text and "| steps | 4 | 4 | 4 |" in text
+    assert f"Measured on {plan['cpu']} (" in text
     s8, s32 = summary(out / "8bit"), summary(out / "32bit")
     assert s8["n_params"] == s32["n_params"]
     assert s8["optimizer_state_bytes"] < 0.5 * s32["optimizer_state_bytes"]
