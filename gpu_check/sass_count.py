@@ -105,7 +105,7 @@ _TARGET = re.compile(r"`\((\.L_x_\d+)\)")
 #: every state guided by its old code, and "guided_update" the default before it (signed states guided by
 #: their update, unsigned ones by their old code; revisions up to f873092, whose kernels still had it)
 ROUNDINGS = {"stochastic": ("Q8_ROUND_STOCHASTIC", "true"), "nearest": ("Q8_ROUND_NEAREST", "false"),
-             "guided": ("Q8_ROUND_GUIDED_CODE", None),
+             "guided": ("3", None),  # Q8_ROUND_BY_OLD_CODE, named Q8_ROUND_GUIDED_CODE before
              "guided_update": ("((Rule::kSigned >> k) & 1u) ? Q8_ROUND_GUIDED : Q8_ROUND_GUIDED_CODE", None)}
 #: the line that reads a state's mode, in this revision (rounding_modes) and in older ones (stochastic_states)
 _MODE_LINES = tuple(line.format(field) for field in ("rounding_modes", "stochastic_states")

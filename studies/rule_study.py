@@ -61,7 +61,7 @@ def requantize_rule(rule: str, clamp: Optional[float] = None, clamp_states: str 
     lo_bits, hi_bits = (0, 0) if clamp is None else (int(clamp * 2**24) << 8, int((1 - clamp) * 2**24) << 8)
 
     def requantize(i, mode, x, old, old_absmax, absmax, code, block_size, bits):
-        if mode != G.ROUND_GUIDED_CODE or bits is None:
+        if mode != G.ROUND_BY_OLD_CODE or bits is None:
             return None
         signed = bool(code[0] < 0)
         if signed and rule != "code":
@@ -104,7 +104,7 @@ def stall(growth: float, requantize, steps: int = 60, n: int = 2048, code=None) 
         a = beta * stored + (1 - beta) * x
         absmax = F.block_absmax(a, n)
         bits = rounding.random_bits(plan.step_key(0, t + 1), torch.arange(n))
-        old = requantize(0, G.ROUND_GUIDED_CODE, a, old, old_absmax, absmax, code, n, bits)
+        old = requantize(0, G.ROUND_BY_OLD_CODE, a, old, old_absmax, absmax, code, n, bits)
         old_absmax = absmax
         stored = F.dequantize_flat(old, absmax, code, n)
     return float((stored / avg32)[1:].mean())

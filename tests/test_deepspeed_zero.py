@@ -42,7 +42,8 @@ def _jobs():
         {"name": "momentum_s2", "steps": STEPS, "config": config(2, "Momentum8bitBlock", lr=0.1)},
         {"name": "sched_s2", "steps": STEPS, "config": config(2, scheduler=WARMUP)},
         *[{"name": f"emb8_s{stage}", "steps": 2, "config": config(stage, opt_params=EMB8)} for stage in (0, 1, 2, 3)],
-        {"name": "emb8_s2_off", "steps": 2, "config": config(2, opt_params=EMB8, zero=OFFLOAD)},
+        *[{"name": f"emb8_s{stage}_off", "steps": 2, "config": config(stage, opt_params=EMB8, zero=OFFLOAD)}
+          for stage in (2, 3)],
         {"name": "groups_s2", "steps": STEPS, "param_groups": True, "config": config(2)},
         {"name": "groups_s3", "steps": STEPS, "param_groups": True, "config": config(3)},
         *[{"name": f"q8_{name}", "steps": STEPS, "config": config(stage, bf16=BF16_MASTER, **extra)}
@@ -99,8 +100,10 @@ def test_each_rank_holds_only_its_partition(results, variant):
     whole = results["q8_s0"]["state_bytes"][0]["total"]
     cut = 1 if stage in (1, 2) else len(ALL_PARAMS[0])
     assert whole <= sum(per_rank) <= whole + 2 * 4 * cut
+    # with every state in 8 bits, the embedding's too (embeddings_32bit=False), a rank holds under 0.3 of what
+    # the fp32 reference's rank holds
     ref_bytes = ref["state_bytes"][0]["fp32"]
-    assert max(per_rank) < 0.3 * ref_bytes
+    assert max(b["total"] for b in results[f"emb8_{variant}"]["state_bytes"]) < 0.3 * ref_bytes
 
 
 def test_stage0_keeps_small_tensors_fp32(results):

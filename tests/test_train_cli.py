@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from helpers.cli import assert_usage_error
 from helpers.train import CONFIGS, LAUNCH, REPO, run  # noqa: F401  (puts launch/ on sys.path)
 
 import checkpointing
@@ -30,10 +31,7 @@ from metrics_log import MetricsLog, read_metrics
     (["--micro_batch", "0"], "--micro_batch"),
 ])
 def test_bad_arguments_name_the_field(argv, field, capsys):
-    with pytest.raises(SystemExit) as e:
-        train_gpt.parse_args(argv)
-    assert e.value.code == 2
-    assert field in capsys.readouterr().err
+    assert_usage_error(train_gpt.parse_args, argv, field, capsys)
 
 
 def test_defaults_train_the_tiny_model_with_the_8bit_cpu_config():

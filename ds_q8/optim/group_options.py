@@ -31,7 +31,7 @@ QUANTIZATIONS = ("dynamic", "dynamic6", "minifloat", "linear")
 STATE_ROUNDINGS = ("guided", "stochastic", "stochastic_unsigned", "nearest")
 #: how one state is requantized, as the kernels take it (``Q8_ROUND_*`` in csrc/includes/q8_common.h; 2,
 #: guidance by the update, was a study's and is no longer taken)
-ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_GUIDED_CODE = 0, 1, 3
+ROUND_NEAREST, ROUND_STOCHASTIC, ROUND_BY_OLD_CODE = 0, 1, 3
 IMPLS = ("auto", "kernel", "reference")  # optim/path_kernel.py decides by it
 
 
@@ -162,7 +162,7 @@ def stochastic_params(group: dict, dtype: torch.dtype) -> bool:
 
 def rounding_modes(group: dict, signed: Sequence[bool]) -> tuple:
     """How each state is requantized (:data:`ROUND_NEAREST`, :data:`ROUND_STOCHASTIC` or
-    :data:`ROUND_GUIDED_CODE`; true where random bits are drawn): every state stochastically
+    :data:`ROUND_BY_OLD_CODE`; true where random bits are drawn): every state stochastically
     (``state_rounding="stochastic"``), every state guided by its old code (``"guided"``), the unsigned
     ones only stochastically (second moments, Adagrad's sum: ``"stochastic_unsigned"``), or none
     (``"nearest"``).
@@ -178,7 +178,7 @@ def rounding_modes(group: dict, signed: Sequence[bool]) -> tuple:
     if choice == "stochastic":
         return (ROUND_STOCHASTIC,) * len(signed)
     if choice == "guided":
-        return (ROUND_GUIDED_CODE,) * len(signed)
+        return (ROUND_BY_OLD_CODE,) * len(signed)
     if choice == "stochastic_unsigned":
         return tuple(ROUND_NEAREST if s else ROUND_STOCHASTIC for s in signed)
     return (ROUND_NEAREST,) * len(signed)

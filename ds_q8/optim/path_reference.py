@@ -11,7 +11,7 @@ import torch
 from .. import functional as F
 from .. import ops
 from . import rounding, telemetry
-from .group_options import ROUND_GUIDED_CODE, maps_of, stochastic_params, rounding_modes
+from .group_options import ROUND_BY_OLD_CODE, maps_of, stochastic_params, rounding_modes
 from .pieces import Item8, Item32, Rounding
 from .rules import Rule
 from .state_keys import CHUNK
@@ -129,7 +129,7 @@ def reference_step_8bit(rule: Rule, item: Item8, group: dict, h, error_sums=None
         states = [dequantize(c[start:end], a[b0:b1], m, bs) for c, a, m in zip(flat_codes, absmax, maps)]
         rule.update(p32, g32, states, h)
         for i, (c, a, m, s) in enumerate(zip(flat_codes, absmax, maps, states)):
-            old = c[start:end].long() if drawn[i] and modes[i] == ROUND_GUIDED_CODE else None
+            old = c[start:end].long() if drawn[i] and modes[i] == ROUND_BY_OLD_CODE else None
             if codec is not None and not drawn[i]:
                 c[start:end], a[b0:b1] = codec.quantize(s, m, bs)
                 continue

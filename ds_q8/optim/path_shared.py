@@ -10,7 +10,7 @@ import torch
 
 from .. import functional as F
 from . import rounding
-from .group_options import ROUND_GUIDED_CODE, correction_of, maps_of, stochastic_params, rounding_modes
+from .group_options import ROUND_BY_OLD_CODE, correction_of, maps_of, stochastic_params, rounding_modes
 from .path_reference import read_param
 from .pieces import TensorStep
 from .rules import Rule
@@ -64,7 +64,7 @@ def update_shared(rule: Rule, t: TensorStep, h, which, base: int, keys):
         agreed = stored.to(torch.float32)
         for i in range(k):
             a = agreed[i].index_select(0, owner)
-            old = codes[i].index_select(0, code_at).long() if modes[i] == ROUND_GUIDED_CODE else None
+            old = codes[i].index_select(0, code_at).long() if modes[i] == ROUND_BY_OLD_CODE else None
             # a minifloat map is coded from the bits of values in its own units (F.block_scale)
             by_code = F.codec_of(maps[i]) is not None
             scale = F.block_scale(agreed[i], maps[i] if by_code else None)

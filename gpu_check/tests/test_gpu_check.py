@@ -20,6 +20,7 @@ import gpu_check  # noqa: E402
 import kernel_compare  # noqa: E402
 import ptxas_report  # noqa: E402
 
+from helpers.cli import assert_usage_error  # noqa: E402
 from helpers.ds_launch import extensions_root  # noqa: E402
 from helpers.gpu_cases import BLOCK_SIZES, HUGE, sizes_for  # noqa: E402
 
@@ -130,10 +131,7 @@ def test_plan_covers_the_issue_sizes():
 @pytest.mark.parametrize("argv,message", [(["profile", "--n", "0"], "--n must be a positive"),
                                           (["nonsense"], "invalid choice")])
 def test_bad_arguments_are_named(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        gpu_check.main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    assert_usage_error(gpu_check.main, argv, message, capsys)
 
 
 def test_ptxas_report_parses_stack_spills_and_registers():

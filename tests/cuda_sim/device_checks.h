@@ -82,12 +82,12 @@ int64_t encode_mismatches(int64_t* checked) {
                     const int64_t mag = (int64_t)lo + d;
                     int64_t old = kSigned ? (side ^ negative ? 127 - mag : 127 + mag) : (side ? 255 - mag : mag);
                     old = old < 0 ? 0 : old > 255 ? 255 : old;
-                    same(mf_encode<kSigned, Q8_ROUND_GUIDED_CODE>(z, r, (uint32_t)old, false),
-                         q8_mf_code<kSigned>(z, Q8_ROUND_GUIDED_CODE, r, (uint32_t)old));
+                    same(mf_encode<kSigned, Q8_ROUND_BY_OLD_CODE>(z, r, (uint32_t)old, false),
+                         q8_mf_code<kSigned>(z, Q8_ROUND_BY_OLD_CODE, r, (uint32_t)old));
                 }
             const uint32_t old = (uint32_t)splitmix(seed) & 255u;
-            same(mf_encode<kSigned, Q8_ROUND_GUIDED_CODE>(z, r, old, false),
-                 q8_mf_code<kSigned>(z, Q8_ROUND_GUIDED_CODE, r, old));
+            same(mf_encode<kSigned, Q8_ROUND_BY_OLD_CODE>(z, r, old, false),
+                 q8_mf_code<kSigned>(z, Q8_ROUND_BY_OLD_CODE, r, old));
         }
     }
     return bad;

@@ -8,11 +8,12 @@
 
 #include "q8_common.h"
 #include "q8_minifloat.h"
+#include "q8_mf_blocks.h"
 
 namespace ds_q8 {
 namespace {
 
-struct Avx2Minifloat {
+struct Avx2Minifloat : MinifloatBlocks<Avx2Minifloat> {
     // 8 codes (cnt of them read, the rest code 0) as their map entries times `absmax` (q8_mf_value).
     template <bool kSigned>
     __attribute__((always_inline)) static inline __m256 mf_decode8(const uint8_t* p, int cnt, __m256 absmax) {
@@ -71,7 +72,7 @@ struct Avx2Minifloat {
             __m256i add = _mm256_set1_epi32((int)kMfNearest);
             if (kMode != Q8_ROUND_NEAREST) {
                 const __m256i r = _mm256_srli_epi32(bits, 32 - kMfFracBits);
-                if (kMode == Q8_ROUND_GUIDED_CODE) {
+                if (kMode == Q8_ROUND_BY_OLD_CODE) {
                     const __m256i dist = _mm256_sub_epi32(old, _mm256_srli_epi32(fixed, kMfFracBits));
                     add = _mm256_blendv_epi8(add, r, _mm256_cmpeq_epi32(_mm256_min_epu32(dist, _mm256_set1_epi32(1)), dist));
                 } else {
@@ -89,7 +90,7 @@ struct Avx2Minifloat {
         __m256i add = _mm256_set1_epi32((int)kMfNearest);
         if (kMode != Q8_ROUND_NEAREST) {
             const __m256i r = _mm256_srli_epi32(bits, 32 - kMfFracBits);
-            if (kMode == Q8_ROUND_GUIDED_CODE) {
+            if (kMode == Q8_ROUND_BY_OLD_CODE) {
                 const __m256i lo = _mm256_srli_epi32(fixed, kMfFracBits);
                 __m256i offset = old;
                 if (kSigned)  // the old code's distance from zero on the value's side: negated where negative
@@ -132,14 +133,14 @@ struct Avx2Minifloat {
             const int cnt = len - i < 32 ? len - i : 32;
             alignas(32) uint8_t old_bytes[32];
             const uint8_t* old = out + i;
-            if (kMode == Q8_ROUND_GUIDED_CODE && cnt < 32) {
+            if (kMode == Q8_ROUND_BY_OLD_CODE && cnt < 32) {
                 memcpy(old_bytes, out + i, (size_t)cnt);
                 old = old_bytes;
             }
             __m256i c[4];
             for (int q = 0; q < 4; ++q) {
                 const __m256 z = _mm256_mul_ps(_mm256_load_ps(x + i + 8 * q), vs);
-                const __m256i o = kMode == Q8_ROUND_GUIDED_CODE
+                const __m256i o = kMode == Q8_ROUND_BY_OLD_CODE
                                       ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(old + 8 * q)))
                                       : _mm256_setzero_si256();
                 c[q] = mf_encode8<kSigned, kMode>(z, bits, o);
@@ -154,39 +155,6 @@ struct Avx2Minifloat {
                 memcpy(out + i, b, (size_t)cnt);
             }
         }
-    }
-
-    // The same for any block: one that is not finite (its maximum Inf or NaN) is coded one value at a time.
-    template <bool kSigned, int kMode>
-    __attribute__((always_inline)) static inline void mf_code_block(uint8_t* out, const float* x, int len,
-                                                                   float absmax, uint32_t key, uint32_t mul,
-                                                                   uint32_t first) {
-        const float s = q8_mf_scale(absmax);
-        if (absmax < INFINITY) return mf_encode_block<kSigned, kMode>(out, x, len, s, key, mul, first);
-        for (int i = 0; i < len; ++i)
-            out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * s, kMode, (key + first + (uint32_t)i) * mul, out[i]);
-    }
-
-    // Codes for `len` values x in blocks of bs, block j with stored maximum absmax[j] (mf_code_block each).
-    template <bool kSigned, int kMode>
-    static void mf_requantize_as(uint8_t* out, const float* x, int len, const float* absmax, int bs, uint32_t key,
-                                 uint32_t mul, uint32_t first) {
-        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j)
-            mf_code_block<kSigned, kMode>(out + b0, x + b0, (len - b0 < bs ? len - b0 : bs), absmax[j], key, mul,
-                                          first + (uint32_t)b0);
-    }
-
-    static void mf_requantize(uint8_t* out, const float* x, int len, const float* absmax, int bs, bool is_signed,
-                              int mode, uint32_t key, uint32_t mul, uint32_t first) {
-#define Q8_MF_CASE(SIGNED, MODE) \
-    if (is_signed == SIGNED && mode == MODE) return mf_requantize_as<SIGNED, MODE>(out, x, len, absmax, bs, key, mul, first);
-        Q8_MF_CASE(true, Q8_ROUND_GUIDED_CODE)
-        Q8_MF_CASE(false, Q8_ROUND_GUIDED_CODE)
-        Q8_MF_CASE(true, Q8_ROUND_STOCHASTIC)
-        Q8_MF_CASE(false, Q8_ROUND_STOCHASTIC)
-        Q8_MF_CASE(true, Q8_ROUND_NEAREST)
-        Q8_MF_CASE(false, Q8_ROUND_NEAREST)
-#undef Q8_MF_CASE
     }
 };
 

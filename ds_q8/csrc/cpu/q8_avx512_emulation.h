@@ -83,21 +83,18 @@ inline simde__m256i cvtepi32_epi16(simde__m512i a) {
     return from_lanes<simde__m256i>(h);
 }
 
-inline simde__m512i cvtepu8_epi32(simde__m128i a) {
-    uint8_t b[16];
+// 16 unsigned lanes of type U, zero-extended to 32 bits
+template <class U, class V>
+inline simde__m512i widen_epu32(const V& a) {
+    U narrow[16];
     int32_t l[16];
-    to_lanes(a, b);
-    for (int i = 0; i < 16; ++i) l[i] = b[i];
+    to_lanes(a, narrow);
+    for (int i = 0; i < 16; ++i) l[i] = narrow[i];
     return from_lanes<simde__m512i>(l);
 }
 
-inline simde__m512i cvtepu16_epi32(simde__m256i a) {
-    uint16_t h[16];
-    int32_t l[16];
-    to_lanes(a, h);
-    for (int i = 0; i < 16; ++i) l[i] = h[i];
-    return from_lanes<simde__m512i>(l);
-}
+inline simde__m512i cvtepu8_epi32(simde__m128i a) { return widen_epu32<uint8_t>(a); }
+inline simde__m512i cvtepu16_epi32(simde__m256i a) { return widen_epu32<uint16_t>(a); }
 
 // float16 <-> float32 through the F16C instructions every AVX2 CPU of the op has, 8 lanes at a time
 inline simde__m512 cvtph_ps(simde__m256i a) {

@@ -6,11 +6,12 @@
 
 #include "q8_common.h"
 #include "q8_minifloat.h"
+#include "q8_mf_blocks.h"
 
 namespace ds_q8 {
 namespace {
 
-struct Avx512Minifloat {
+struct Avx512Minifloat : MinifloatBlocks<Avx512Minifloat> {
     // 16 codes (bytes) as their map entries times `absmax` (q8_mf_value).
     template <bool kSigned>
     __attribute__((always_inline)) static inline __m512 mf_decode16(__m128i bytes, __m512 absmax) {
@@ -72,7 +73,7 @@ struct Avx512Minifloat {
             __m512i add = _mm512_set1_epi32((int)kMfNearest);
             if (kMode != Q8_ROUND_NEAREST) {
                 const __m512i r = _mm512_srli_epi32(bits, 32 - kMfFracBits);
-                if (kMode == Q8_ROUND_GUIDED_CODE) {
+                if (kMode == Q8_ROUND_BY_OLD_CODE) {
                     const __m512i old = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)old_bytes));
                     const __m512i dist = _mm512_sub_epi32(_mm512_add_epi32(old, _mm512_set1_epi32((int)base_code)),
                                                           _mm512_srli_epi32(u, kMfFracBits));
@@ -96,7 +97,7 @@ struct Avx512Minifloat {
         __m512i add = _mm512_set1_epi32((int)kMfNearest);
         if (kMode != Q8_ROUND_NEAREST) {
             const __m512i r = _mm512_srli_epi32(bits, 32 - kMfFracBits);
-            if (kMode == Q8_ROUND_GUIDED_CODE) {
+            if (kMode == Q8_ROUND_BY_OLD_CODE) {
                 const __m512i lo = _mm512_srli_epi32(fixed, kMfFracBits);  // the code below, plus base_code
                 const __m512i old = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)old_bytes));
                 // the old code's distance from zero on the value's side, plus base_code
@@ -138,7 +139,7 @@ struct Avx512Minifloat {
             const __mmask64 live = cnt >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << cnt) - 1);
             alignas(16) uint8_t tail[64];  // the old codes of a last, partial chunk, read whole from here
             const uint8_t* old = out + i;
-            if (kMode == Q8_ROUND_GUIDED_CODE && cnt < 64) {
+            if (kMode == Q8_ROUND_BY_OLD_CODE && cnt < 64) {
                 _mm512_storeu_si512(tail, _mm512_maskz_loadu_epi8(live, out + i));
                 old = tail;
             }
@@ -152,45 +153,12 @@ struct Avx512Minifloat {
         }
     }
 
-    // The same for any block: one that is not finite (its maximum Inf or NaN) is coded one value at a time.
-    template <bool kSigned, int kMode>
-    __attribute__((always_inline)) static inline void mf_code_block(uint8_t* out, const float* x, int len,
-                                                                   float absmax, uint32_t key, uint32_t mul,
-                                                                   uint32_t first) {
-        const float s = q8_mf_scale(absmax);
-        if (absmax < INFINITY) return mf_encode_block<kSigned, kMode>(out, x, len, s, key, mul, first);
-        for (int i = 0; i < len; ++i)
-            out[i] = (uint8_t)q8_mf_code<kSigned>(x[i] * s, kMode, (key + first + (uint32_t)i) * mul, out[i]);
-    }
-
-    // Codes for `len` values x in blocks of bs, block j with stored maximum absmax[j] (mf_code_block each).
-    template <bool kSigned, int kMode>
-    static void mf_requantize_as(uint8_t* out, const float* x, int len, const float* absmax, int bs, uint32_t key,
-                                 uint32_t mul, uint32_t first) {
-        for (int b0 = 0, j = 0; b0 < len; b0 += bs, ++j)
-            mf_code_block<kSigned, kMode>(out + b0, x + b0, (len - b0 < bs ? len - b0 : bs), absmax[j], key, mul,
-                                          first + (uint32_t)b0);
-    }
-
     // Four vectors of codes < 256 to 64 bytes in memory order (the packs work per 128-bit lane; the dword
     // permute undoes their interleaving).
     static __m512i pack_codes(const __m512i* idx) {
         const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         const __m512i w01 = _mm512_packus_epi32(idx[0], idx[1]), w23 = _mm512_packus_epi32(idx[2], idx[3]);
         return _mm512_permutexvar_epi32(order, _mm512_packus_epi16(w01, w23));
-    }
-
-    static void mf_requantize(uint8_t* out, const float* x, int len, const float* absmax, int bs, bool is_signed,
-                              int mode, uint32_t key, uint32_t mul, uint32_t first) {
-#define Q8_MF_CASE(SIGNED, MODE) \
-    if (is_signed == SIGNED && mode == MODE) return mf_requantize_as<SIGNED, MODE>(out, x, len, absmax, bs, key, mul, first);
-        Q8_MF_CASE(true, Q8_ROUND_GUIDED_CODE)
-        Q8_MF_CASE(false, Q8_ROUND_GUIDED_CODE)
-        Q8_MF_CASE(true, Q8_ROUND_STOCHASTIC)
-        Q8_MF_CASE(false, Q8_ROUND_STOCHASTIC)
-        Q8_MF_CASE(true, Q8_ROUND_NEAREST)
-        Q8_MF_CASE(false, Q8_ROUND_NEAREST)
-#undef Q8_MF_CASE
     }
 };
 

@@ -282,7 +282,7 @@ void step_blocks(const StepArgs* args, int count, const Rule& rule) {
                 } else {
                     const Stochastic<typename I::Table> sr{&table[k], a.code[k], q8_state_key(a.sr_key, k),
                                                            q8_state_mul(k), (uint32_t)(a.sr_index + start), a.floor[k],
-                                                           a.rounding_modes[k] == Q8_ROUND_GUIDED_CODE};
+                                                           a.rounding_modes[k] == Q8_ROUND_BY_OLD_CODE};
                     I::requantize_blocks(codes, tmp[k], len, amax[k], (int)bs, a.lookup[k], a.fast[k],
                                          a.rounding_modes[k] ? &sr : nullptr);
                 }

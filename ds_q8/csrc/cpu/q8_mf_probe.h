@@ -44,8 +44,8 @@ int64_t Q8_MF_PROBE_NAME(bool is_signed, int mode, float limit, int num_threads)
     Q8_MF_PROBE_CASE(false, Q8_ROUND_NEAREST)
     Q8_MF_PROBE_CASE(true, Q8_ROUND_STOCHASTIC)
     Q8_MF_PROBE_CASE(false, Q8_ROUND_STOCHASTIC)
-    Q8_MF_PROBE_CASE(true, Q8_ROUND_GUIDED_CODE)
-    Q8_MF_PROBE_CASE(false, Q8_ROUND_GUIDED_CODE)
+    Q8_MF_PROBE_CASE(true, Q8_ROUND_BY_OLD_CODE)
+    Q8_MF_PROBE_CASE(false, Q8_ROUND_BY_OLD_CODE)
 #undef Q8_MF_PROBE_CASE
     return -1;
 }

@@ -55,22 +55,22 @@ __device__ __forceinline__ void mf_decode8(const uint32_t (&w)[2], float absmax,
 }
 
 // The code of z (a finite block's value times q8_mf_scale, |z| at most a rounding above 1.9375 * 1.004) as an
-// int, before the pack saturates it; `r` its random bits, `old` its old code. kMode: Q8_ROUND_GUIDED_CODE,
+// int, before the pack saturates it; `r` its random bits, `old` its old code. kMode: Q8_ROUND_BY_OLD_CODE,
 // or -1 for nearest or stochastic as `stochastic` says.
 template <bool kSigned, int kMode>
 __device__ __forceinline__ int mf_encode(float z, uint32_t r, uint32_t old, bool stochastic) {
     const uint32_t u = __float_as_uint(z);
-    bool draw = kMode != Q8_ROUND_GUIDED_CODE && stochastic;
+    bool draw = kMode != Q8_ROUND_BY_OLD_CODE && stochastic;
     if (kSigned) {
         const uint32_t s = (uint32_t)((int32_t)u >> 31);
         const uint32_t g = __float_as_uint(fabsf(z) * mf_down<true>()) ^ s;  // the magnitude's fixed point, turned
-        if (kMode == Q8_ROUND_GUIDED_CODE) draw = g - (old << 19) + (128u << 19) < (2u << 19);
+        if (kMode == Q8_ROUND_BY_OLD_CODE) draw = g - (old << 19) + (128u << 19) < (2u << 19);
         const uint32_t pick = draw ? r : 0x7FFFE000u;  // (pick ^ s) >> 13: 2^18 - 1 up, 2^18 + 1 down (s)
         return (int32_t)((127u << 19) - s + g + ((pick ^ s) >> 13)) >> 19;
     }
     // unsigned: a negative value's bits are a negative int, and its code one too (saturated to 0)
     const int32_t f = (int32_t)__float_as_uint(z * mf_down<false>());
-    if (kMode == Q8_ROUND_GUIDED_CODE) draw = (uint32_t)f - (old << 19) + (1u << 19) < (2u << 19);
+    if (kMode == Q8_ROUND_BY_OLD_CODE) draw = (uint32_t)f - (old << 19) + (1u << 19) < (2u << 19);
     const uint32_t pick = draw ? r : 0x7FFFE000u;
     const int32_t c = (f + (int32_t)(pick >> 13)) >> 19;
     const int32_t zero_point = (int32_t)u < 1 ? (int32_t)u : 1;  // 1 for a positive value, else at most 0

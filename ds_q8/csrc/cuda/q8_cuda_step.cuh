@@ -98,7 +98,7 @@ __device__ __forceinline__ void requantize_by_table(const FloorTable& t, bool fl
     const float scale = q8_block_scale(absmax);
     uint32_t idx[kElems];
     const bool fast = floor && maxbits < 0x7F800000u && (t.positive_only != 0u) == positive;
-    if (fast && mode == Q8_ROUND_GUIDED_CODE) {
+    if (fast && mode == Q8_ROUND_BY_OLD_CODE) {
         if (positive) requantize_guided_code<true>(t, x, old, scale, bits0, mul, idx);
         else requantize_guided_code<false>(t, x, old, scale, bits0, mul, idx);
     } else if (fast && mode == Q8_ROUND_STOCHASTIC) {
@@ -203,14 +203,14 @@ __global__ void __maxnreg__(Rule::kStates > 2 ? 128 : Rule::kStates > 1 ? 80 : 6
             if ((threadIdx.x & (T - 1)) == 0 && live) a.absmax[k][qblock] = stored;
             const float absmax = q8_absmax_load(stored);
             const int listed = list.rounding_modes[k];
-            const int mode = kCodec == kCodecGuided ? Q8_ROUND_GUIDED_CODE : listed;
+            const int mode = kCodec == kCodecGuided ? Q8_ROUND_BY_OLD_CODE : listed;
             const uint32_t mul = q8_state_mul(k), bits0 = (a.state_key[k] + index) * mul;  // q8_state_bits
             const bool is_signed = ((Rule::kSigned >> k) & 1u) != 0u;
             const uint8_t kind = kCodec == kCodecTables ? list.map_kind[k] : is_signed ? kMapMinifloatSigned
                                                                                        : kMapMinifloatUnsigned;
             uint32_t out[2];
             if (kCodec != kCodecTables && mf_fast_block(maxbits)) {
-                constexpr int kMode = kCodec == kCodecGuided ? Q8_ROUND_GUIDED_CODE : -1;
+                constexpr int kMode = kCodec == kCodecGuided ? Q8_ROUND_BY_OLD_CODE : -1;
                 const float scale = q8_mf_scale_fast(absmax);
                 const bool sr = mode == Q8_ROUND_STOCHASTIC;
                 if (is_signed) mf_encode8<true, kMode>(s[k], scale, bits0, mul, codes[k], sr, out);

@@ -159,11 +159,11 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     }
     bool guided = true, any_guided = false;  // the default's rounding: its own kernel (kCodecGuided)
     for (int k = 0; k < K; ++k) {
-        guided = guided && list.rounding_modes[k] == Q8_ROUND_GUIDED_CODE;
-        any_guided = any_guided || list.rounding_modes[k] == Q8_ROUND_GUIDED_CODE;
+        guided = guided && list.rounding_modes[k] == Q8_ROUND_BY_OLD_CODE;
+        any_guided = any_guided || list.rounding_modes[k] == Q8_ROUND_BY_OLD_CODE;
     }
     TORCH_CHECK_VALUE(guided || !any_guided, "rounding_modes: the CUDA step takes guided rounding only as "
-                      "state_rounding=\"guided\" gives it (", Q8_ROUND_GUIDED_CODE, ", by the old code, for every "
+                      "state_rounding=\"guided\" gives it (", Q8_ROUND_BY_OLD_CODE, ", by the old code, for every "
                       "state); mix nearest (", Q8_ROUND_NEAREST, ") and stochastic (", Q8_ROUND_STOCHASTIC, ") freely");
     if (!minifloat)
         launch_lists(b, list, step_kernel<Rule, P, G, kCodecTables>, rule, threads, tables * sizeof(FloorTable));

@@ -103,7 +103,7 @@ __device__ __forceinline__ uint32_t round_exact(const float* code, const uint32_
                                                 int mode, uint32_t r, uint32_t old) {
     const float y = x * scale;
     const uint32_t n = q8_quantize_scaled(y, lookup);
-    if (mode == Q8_ROUND_GUIDED_CODE) return q8_round_guided_code(y, n, code, r, old);
+    if (mode == Q8_ROUND_BY_OLD_CODE) return q8_round_guided_code(y, n, code, r, old);
     return mode == Q8_ROUND_STOCHASTIC ? q8_round_stochastic(y, n, code, r) : n;
 }
 

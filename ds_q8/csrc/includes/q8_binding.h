@@ -159,9 +159,9 @@ inline void check_rounding_modes(bool has_keys, const std::vector<int64_t>& stat
                       "state (", k, "), got ", states.size());
     bool any = false;
     for (int64_t s : states) {
-        TORCH_CHECK_VALUE(s == Q8_ROUND_NEAREST || s == Q8_ROUND_STOCHASTIC || s == Q8_ROUND_GUIDED_CODE,
+        TORCH_CHECK_VALUE(s == Q8_ROUND_NEAREST || s == Q8_ROUND_STOCHASTIC || s == Q8_ROUND_BY_OLD_CODE,
                           "rounding_modes entries must be ", Q8_ROUND_NEAREST, " (nearest), ", Q8_ROUND_STOCHASTIC,
-                          " (stochastic) or ", Q8_ROUND_GUIDED_CODE, " (guided by the old code), got ", s);
+                          " (stochastic) or ", Q8_ROUND_BY_OLD_CODE, " (guided by the old code), got ", s);
         any = any || s != Q8_ROUND_NEAREST;
     }
     TORCH_CHECK_VALUE(has_keys || !any, "rounding_modes needs sr_keys and sr_index (the random bits' keys)");

@@ -70,7 +70,7 @@ constexpr int Q8_MAX_STATES = 3;
 // 2 is not a mode (guidance by the update, once a study's rule, left the library).
 constexpr int Q8_ROUND_NEAREST = 0;
 constexpr int Q8_ROUND_STOCHASTIC = 1;
-constexpr int Q8_ROUND_GUIDED_CODE = 3;
+constexpr int Q8_ROUND_BY_OLD_CODE = 3;
 // Telemetry sums per state (optim/telemetry.py): sum |requantized - x|, sum |x|, and how many nonzero
 // values were requantized to zero.
 constexpr int Q8_TELEMETRY_SUMS = 3;

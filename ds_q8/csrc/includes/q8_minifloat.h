@@ -54,14 +54,14 @@ Q8_HD uint32_t q8_mf_fixed(uint32_t ab) {
 }
 
 // The code of z (a block value times q8_mf_scale): `mode` is Q8_ROUND_NEAREST, Q8_ROUND_STOCHASTIC (random
-// bits r) or Q8_ROUND_GUIDED_CODE (r, and the state's old code `old`).
+// bits r) or Q8_ROUND_BY_OLD_CODE (r, and the state's old code `old`).
 template <bool kSigned>
 Q8_HD uint32_t q8_mf_code(float z, int mode, uint32_t r, uint32_t old) {
     const uint32_t u = q8_bits(z), ab = u & 0x7FFFFFFFu;
     const bool negative = (u >> 31) != 0u;
     const uint32_t fixed = q8_mf_fixed<kSigned>(ab), lo = fixed >> kMfFracBits;
     bool draw = mode == Q8_ROUND_STOCHASTIC;
-    if (mode == Q8_ROUND_GUIDED_CODE) {  // drawn where the old code is lo or lo + 1, of z's sign
+    if (mode == Q8_ROUND_BY_OLD_CODE) {  // drawn where the old code is lo or lo + 1, of z's sign
         const uint32_t offset = kSigned ? (negative ? 127u - old : old - 127u) : old;
         draw = offset - lo <= 1u;
     }
