@@ -114,3 +114,50 @@ def test_a_finite_engine_norm_replaces_the_read():
     opt.grad_norm_source = lambda: None
     opt.step()
     assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads + 1
+
+
+def test_a_norm_given_to_step_answers_the_check():
+    """step(grad_norm=...): the norm a caller already computed (clip_grad_norm_'s) replaces the read."""
+    model, opt = setup("skip")
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    norm = nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    reads = ops.CALLS[("cpu", "all_finite_or_unknown")]
+    opt.step(grad_norm=norm)
+    assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads
+    assert opt.nonfinite_checks["norm"] == 1 and opt.state[model.weight]["step"] == 4
+    # the same bits as a step that reads the gradients
+    twin_model, twin = setup("skip")
+    twin_model(torch.randn(8, 100)).pow(2).mean().backward()
+    nn.utils.clip_grad_norm_(twin_model.parameters(), 1.0)
+    twin.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), twin_model.parameters()))
+    assert twin.nonfinite_checks["pass"] == 4
+    # the norm belongs to that step only: the next one reads the gradients again
+    reads = ops.CALLS[("cpu", "all_finite_or_unknown")]
+    opt.step()
+    assert ops.CALLS[("cpu", "all_finite_or_unknown")] == reads + 1
+
+
+@pytest.mark.parametrize("norm", [float("nan"), torch.tensor(float("inf")), torch.tensor([float("-inf")])])
+def test_a_given_norm_that_is_not_finite_skips_the_step(norm):
+    model, opt = setup("skip")
+    before_m, before_o = snapshot(model, opt)
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    with pytest.warns(RuntimeWarning, match="non-finite gradient, step skipped"):
+        opt.step(grad_norm=norm)
+    after_m, after_o = snapshot(model, opt)
+    assert all(torch.equal(before_m[k], after_m[k]) for k in before_m)
+    assert opt.skipped_steps == 1 and opt.state[model.weight]["step"] == 3
+
+
+@pytest.mark.parametrize("norm", ["1.0", True, torch.ones(2), torch.tensor(1), [1.0]])
+def test_a_given_norm_of_the_wrong_kind_is_refused_before_anything_changes(norm):
+    model, opt = setup("skip")
+    before_m, _ = snapshot(model, opt)
+    model(torch.randn(8, 100)).pow(2).mean().backward()
+    with pytest.raises(TypeError, match=r"step\(grad_norm=...\) takes the gradients' global norm"):
+        opt.step(grad_norm=norm)
+    assert all(torch.equal(before_m[k], v) for k, v in model.state_dict().items())
+    assert opt.state[model.weight]["step"] == 3
+    opt.step()  # and the optimizer steps on as before
+    assert opt.state[model.weight]["step"] == 4

@@ -8,8 +8,7 @@ runs (``rule``, from ``rules.py``). Everything else is shared and lives in one p
     the state itself: ``qstate.py`` (:class:`QuantizedState`, over a
     :class:`~ds_q8.optim.layout.StateLayout`: which slices of which parameters it holds, 8-bit or
     fp32 per parameter, blocks aligned to parameter starts);
-  * the step: ``step.py`` (a function of the rule and the tensors' steps, kernels or reference),
-    its non-finite decision: ``nonfinite.py``;
+  * the step: ``step.py`` (kernels or reference), its non-finite decision: ``nonfinite.py``;
   * saving, loading and converting state, and adopting fp32 state a loader wrote: ``state_io.py``;
   * the options every optimizer takes (``group_options.OPTIONS``), with their checks and how the step
     reads them: ``group_options.py``.
@@ -24,8 +23,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from .. import embeddings
-from . import nonfinite as NF
-from . import codec_versions, state_io, telemetry
+from . import codec_versions, state_io, telemetry, nonfinite as NF
 from . import step as S
 from .checks import check_optimizer_kwargs
 from .group_options import OPTIONS, check_common_group, check_four_bit, class_options, with_options
@@ -80,6 +78,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         #: a callable the DeepSpeed integration sets: the global gradient norm (over all ranks) that the
         #: engine computed for the step now running, or None where it computed none
         self.grad_norm_source: Optional[Callable[[], object]] = None
+        self._given_norm = None  # step(grad_norm=...) while that step runs
         self._pending_skips = NF.PendingSkips()
         self._telemetry: Optional[telemetry.Telemetry] = None  # track_quantization
         #: the last step's plan, reused while it holds (``plan.py``)
@@ -142,7 +141,7 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
         # torch's load_state_dict also comes through here with only state and param_groups
         self.nonfinite = state.pop("nonfinite", getattr(self, "nonfinite", "skip"))
         self.skipped_steps = state.pop("skipped_steps", getattr(self, "skipped_steps", 0))
-        for name, make in (("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None),
+        for name, make in (("nonfinite_checks", collections.Counter), ("grad_norm_source", lambda: None), ("_given_norm", lambda: None),
                            ("_pending_skips", NF.PendingSkips), ("_telemetry", lambda: None), ("_plan", lambda: None)):
             if not hasattr(self, name):
                 setattr(self, name, make())
@@ -298,13 +297,19 @@ class Optimizer8bitBlock(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None, *, grad_norm=None):
+        """``grad_norm``: the gradients' global norm, already computed (``clip_grad_norm_``'s): it answers
+        the non-finite check instead of a read of every gradient (``optim/nonfinite.py``)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.settle()
-        S.optimizer_step(self)
+        self._given_norm = NF.check_norm(grad_norm)
+        try:
+            S.optimizer_step(self)
+        finally:
+            self._given_norm = None
         return loss
 
     def settle(self) -> None:

@@ -10,6 +10,13 @@ every code of that block meaningless, for good. So the step checks the gradients
   ``isfinite``); use it only where something upstream already skips such steps, e.g. DeepSpeed's
   fp16 loss scaler.
 
+The check needs no read of its own where the step is given the gradients' global norm: DeepSpeed's
+(``integration/grad_norm.py``) or the caller's, ``step(grad_norm=...)`` (what
+``torch.nn.utils.clip_grad_norm_`` returned). A norm is finite exactly when every element is (one that
+overflows float32 also counts as non-finite, as in DeepSpeed's own check). A given norm must cover every
+rank's gradients (DDP's gradients are the same on every rank; FSDP's ``clip_grad_norm_`` returns the global
+norm): the ranks do not ask each other then.
+
 On CUDA with ``"skip"`` the decision stays on the device: :func:`device_flag` is one int32 that the
 kernels read (non-zero: they write nothing), so the step queues its work without waiting for the
 GPU. The host learns of a skip at the next ``step()`` or ``state_dict()`` (see :class:`PendingSkips`),
@@ -33,6 +40,25 @@ def check_mode(value) -> str:
     if value not in MODES:
         raise ValueError(f"nonfinite must be one of {MODES}, got {value!r}")
     return value
+
+
+def check_norm(value):
+    """``step(grad_norm=...)``: None, a real number or a one-element floating-point tensor, else an error."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() == 1 and value.is_floating_point():
+            return value
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    raise TypeError(f"step(grad_norm=...) takes the gradients' global norm: a number or a one-element floating-point "
+                    f"tensor (what torch.nn.utils.clip_grad_norm_ returns) or None, got {_describe(value)}")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"[:120]
 
 
 def _any_nonfinite(grads: List[torch.Tensor], use_kernel: bool) -> torch.Tensor:
@@ -130,8 +156,10 @@ def decide(optimizer, work):
     kernels read, with no host synchronisation (None elsewhere)."""
     if optimizer.nonfinite == "off":
         return True, None
+    norm = getattr(optimizer, "_given_norm", None)  # step(grad_norm=...)
     source = optimizer.grad_norm_source
-    norm = source() if source is not None else None  # DeepSpeed's global norm for this step, if any
+    if norm is None and source is not None:
+        norm = source()  # DeepSpeed's global norm for this step, if any
     if skip_on_device(optimizer, work):
         optimizer.nonfinite_checks["norm" if norm is not None else "device"] += 1
         return True, device_flag([p.grad for _, p in work], norm)
