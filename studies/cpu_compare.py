@@ -13,7 +13,8 @@ Tables, per instruction set:
 - N fp32 parameters (default 2^25) on T threads (default 2): a copy, torch's fused AdamW, DeepSpeedCPUAdam with
   fp32 states and with bf16 parameters, gradients and states (``fp32_optimizer_states=False``, what
   ``bf16_optimizer_states`` gives ZeRO-Offload), the earlier and the current kernel, and AdamW8bitBlock.step()
-  with its default non-finite check and without it; then bf16 parameters and gradients stepped in place.
+  with its default non-finite check (a read of the gradients), with the check answered by a given norm
+  (DeepSpeed's, or ``step(grad_norm=...)``) and without it; then bf16 parameters and gradients stepped in place.
 - in cache, one thread: ns a parameter, the slope between two sizes that stay in cache (16K and 64K).
 - a projection to a ZeRO-Offload host of C cores and B GB/s (default 32 and 200): per parameter, the larger of
   the in-cache time over C cores and the bytes the step must move over B, at 1.5e9 parameters.
@@ -138,9 +139,9 @@ def rows_for(n: int, isa: str, earlier, current, old_maps, new_maps, bf16: bool 
         return DeepSpeedCPUAdam(params(4), lr=LR, weight_decay=WD, adamw_mode=True,
                                 fp32_optimizer_states=fp32_states).step
 
-    def ds_q8_step(nonfinite):
+    def ds_q8_step(nonfinite, grad_norm=None):
         opt = ds_q8.AdamW8bitBlock(params(0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel")
-        return opt.step
+        return opt.step if grad_norm is None else (lambda: opt.step(grad_norm=grad_norm))
 
     kind = "8bit-bf16" if bf16 else "8bit"
     if not bf16:
@@ -157,6 +158,8 @@ def rows_for(n: int, isa: str, earlier, current, old_maps, new_maps, bf16: bool 
     add(f"ds_q8 kernel, current ({isa})", BYTES[kind], lambda: Kernel(current, isa, new_maps, *tensors(n, dtype, 1)))
     if not bf16:
         add(f"AdamW8bitBlock.step(), default (non-finite check) ({isa})", BYTES[kind], lambda: ds_q8_step("skip"))
+        add(f"AdamW8bitBlock.step(grad_norm=...), the check answered by a norm ({isa})", BYTES[kind],
+            lambda: ds_q8_step("skip", torch.tensor(1.0)))
         add(f"AdamW8bitBlock.step(), nonfinite=off ({isa})", BYTES[kind], lambda: ds_q8_step("off"))
     return rows
 
