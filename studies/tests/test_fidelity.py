@@ -55,7 +55,6 @@ def text():
 @pytest.mark.parametrize("arch,width,layers", [("gpt2", 128, 2), ("gpt2", 768, 1), ("gpt2", 1600, 1),
                                                ("neox", 768, 1)])
 def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers):
-    torch.set_num_threads(2)
     names = ["ds_q8", "ds_q8:bs2048"] if (arch, width) == ("gpt2", 128) else ["ds_q8"]
     rows = {r["optimizer"]: r for r in fidelity.run(arch, width, layers, names, STEPS, LR, 0.01, BATCH, CONTEXT,
                                                     text=text)}
@@ -87,7 +86,6 @@ HORIZON = [(768, 4, 0, {"ds_q8": 0.9995}),
 @pytest.mark.slow
 @pytest.mark.parametrize("width,layers,warmup,bounds", HORIZON)
 def test_every_weight_matrix_updates_like_torch_adamw_over_25_steps(text, width, layers, warmup, bounds):
-    torch.set_num_threads(2)
     rows = fidelity.run("gpt2", width, layers, list(bounds), HORIZON_STEPS, LR, HORIZON_DECAY, HORIZON_BATCH, CONTEXT,
                         text=text, decay="matrices", warmup=warmup)
     for ours in rows:
@@ -101,7 +99,6 @@ def test_every_weight_matrix_updates_like_torch_adamw_over_25_steps(text, width,
 
 @pytest.mark.slow
 def test_no_second_moment_with_a_gradient_history_is_stored_as_zero(text):
-    torch.set_num_threads(2)
     torch.manual_seed(0)
     model = fidelity.build("gpt2", 128, 2, CONTEXT, 0)
     # every matrix in 8 bits, the token embedding's too: its rarely seen rows are the test's hardest case

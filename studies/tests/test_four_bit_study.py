@@ -103,7 +103,6 @@ def test_a_second_moment_follows_a_fall_only_through_float32_maxima():
 
 @pytest.mark.slow
 def test_every_gpt2_matrix_updates_close_to_adamw_with_four_bit_states():
-    torch.set_num_threads(2)
     text, _ = gpt_data.load_splits(None, gpt_data.ByteTokenizer())
     rows = {r["optimizer"]: r for r in fidelity.run("gpt2", 128, 2, [CANDIDATE, PAPER], 8, 6e-4, 0.01, 8, 64,
                                                     text=text)}

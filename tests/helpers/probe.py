@@ -39,6 +39,14 @@ MAPS = {
 }
 
 
+def table_maps(maps: dict) -> list:
+    """The names in ``maps`` whose codes the kernels find through tables (segment search, floor rows and
+    tables): every map but the minifloat ones, which every kernel codes from their bits (every float of
+    theirs is checked in tests/test_minifloat_codec.py, so an exhaustive table check of them would check
+    a path no step takes)."""
+    return sorted(n for n in maps if not n.startswith("minifloat"))
+
+
 def values_around_midpoints(code: torch.Tensor, ulps: int = 40) -> torch.Tensor:
     mid = ((code[:-1] + code[1:]) * 0.5).to(torch.float32)
     mid = mid[(mid.abs() <= 1.0)]
