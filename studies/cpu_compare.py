@@ -140,7 +140,15 @@ def rows_for(n: int, isa: str, earlier, current, old_maps, new_maps, bf16: bool 
                                 fp32_optimizer_states=fp32_states).step
 
     def ds_q8_step(nonfinite, grad_norm=None):
-        opt = ds_q8.AdamW8bitBlock(params(0), lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel")
+        # its states as the kernels' rows have theirs (tensors()): a few steps on fresh gradients, then one
+        # gradient again and again
+        ps = params(0)
+        opt = ds_q8.AdamW8bitBlock(ps, lr=LR, weight_decay=WD, nonfinite=nonfinite, impl="kernel")
+        g, gen = ps[0].grad, torch.Generator().manual_seed(5)
+        for _ in range(4):
+            ps[0].grad = torch.randn(n, generator=gen).mul_(1e-2).to(dtype)
+            opt.step()
+        ps[0].grad = g
         return opt.step if grad_norm is None else (lambda: opt.step(grad_norm=grad_norm))
 
     kind = "8bit-bf16" if bf16 else "8bit"
