@@ -30,7 +30,9 @@
 // -fmad=false asks of nvcc.
 #pragma once
 
-#include <ATen/ATen.h>  // before __CUDACC__ below: torch's headers must see a host compiler
+// c10's checks (all of torch the device code and its launchers use) before __CUDACC__ below: its headers must
+// see a host compiler
+#include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cmath>

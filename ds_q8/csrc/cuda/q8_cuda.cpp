@@ -1,4 +1,5 @@
 // Torch binding of the CUDA kernels: argument checks, then the launchers in q8_cuda_kernels.cu.
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
 #include <cstring>
@@ -28,6 +29,7 @@ void check_cuda(const torch::Tensor& t, const char* name, const torch::Device& d
     TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
+using binding::absmax_bits;
 using binding::check_block_size;
 
 void check_map(const torch::Tensor& code, const torch::Tensor* lookup, const torch::Device& device) {
@@ -131,24 +133,55 @@ const int32_t* skip_flag(const c10::optional<torch::Tensor>& skip, const torch::
     return skip->data_ptr<int32_t>();
 }
 
+Q8DType dtype_of(torch::ScalarType t) {
+    return t == torch::kFloat32 ? Q8DType::kFloat32 : t == torch::kFloat16 ? Q8DType::kFloat16
+                                : t == torch::kBFloat16 ? Q8DType::kBFloat16 : Q8DType::kOther;
+}
+
 // A batch's lists, with the checks every list step shares: list lengths, dtypes (one kernel per
-// call), the rounding lists.
-StepBatch list_batch(const std::string& rule, std::vector<torch::Tensor>&& params, std::vector<torch::Tensor>&& grads,
-                     size_t states, const std::vector<int64_t>& sr_keys, const std::vector<int64_t>& sr_index,
-                     const char* what) {
+// call), the rounding lists. One StepTensor per parameter: the caller fills in the states, launch the rest.
+StepBatch list_batch(const std::string& rule, const std::vector<torch::Tensor>& params,
+                     const std::vector<torch::Tensor>& grads, size_t states, const std::vector<int64_t>& sr_keys,
+                     const std::vector<int64_t>& sr_index, const char* what) {
     StepBatch b;
     b.rule = rule;
-    b.params = std::move(params);
-    b.grads = std::move(grads);
     b.sr_keys = sr_keys;
     b.sr_index = sr_index;
-    const size_t n = b.params.size();
-    TORCH_CHECK_VALUE(b.grads.size() == n && states == n, what, ": params, grads and states must be lists of the "
-                      "same length, got ", n, ", ", b.grads.size(), " and ", states);
-    for (size_t t = 0; t < n; ++t) binding::check_same_dtypes(b.params, b.grads, t, what);
+    const size_t n = params.size();
+    TORCH_CHECK_VALUE(grads.size() == n && states == n, what, ": params, grads and states must be lists of the "
+                      "same length, got ", n, ", ", grads.size(), " and ", states);
+    for (size_t t = 0; t < n; ++t) binding::check_same_dtypes(params, grads, t, what);
     b.has_keys = binding::check_rounding(b.sr_keys, b.sr_index, n);
     b.stochastic = b.has_keys;
+    b.tensors.resize(n);
     return b;
+}
+
+// Runs the batch (its tensors checked, at least one) on their device, current for the call. The launchers'
+// tables go through the caching allocators (pinned host memory, then device memory on the current stream),
+// kept until the kernels that read them are queued.
+void launch(StepBatch& b, const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+            const std::map<std::string, double>& hyper) {
+    for (size_t t = 0; t < params.size(); ++t) {
+        b.tensors[t].param = params[t].data_ptr();
+        b.tensors[t].grad = grads[t].data_ptr();
+        b.tensors[t].numel = params[t].numel();
+    }
+    b.param_dtype = dtype_of(params[0].scalar_type());
+    b.grad_dtype = dtype_of(grads[0].scalar_type());
+    b.param_dtype_name = c10::toString(params[0].scalar_type());
+    b.grad_dtype_name = c10::toString(grads[0].scalar_type());
+    const torch::Device device = params[0].device();
+    const c10::cuda::CUDAGuard guard(device);
+    std::vector<torch::Tensor> kept;
+    b.upload = [&kept, &device](const void* data, size_t bytes) -> const void* {
+        auto host = torch::empty({(int64_t)bytes}, torch::TensorOptions().dtype(torch::kUInt8)
+                                                       .pinned_memory(!device.is_cpu()));
+        std::memcpy(host.data_ptr<uint8_t>(), data, bytes);
+        kept.push_back(device.is_cpu() ? host : host.to(device, torch::kUInt8, /*non_blocking=*/true));
+        return kept.back().data_ptr();
+    };
+    cuda_step_many(b, hyper);
 }
 
 // The rounding choices of an 8-bit step (binding::check_rounding_modes) into the batch.
@@ -172,32 +205,40 @@ void step_many(const std::string& rule, std::vector<torch::Tensor> params, std::
     if (binding::check_corrections(corrections, params, stochastic_params)) {
         for (const auto& c : corrections) check_cuda(c, "corrections", c.device());
     }
-    StepBatch b = list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_many");
+    StepBatch b = list_batch(rule, params, grads, states.size(), sr_keys, sr_index, "step_many");
     set_choices(b, stochastic_params, rounding_modes, maps.size());
-    TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == b.params.size(), "error_sums must be empty or have "
-                      "one tensor per param (", b.params.size(), "), got ", error_sums.size());
+    TORCH_CHECK_VALUE(error_sums.empty() || error_sums.size() == params.size(), "error_sums must be empty or have "
+                      "one tensor per param (", params.size(), "), got ", error_sums.size());
     for (const auto& e : error_sums) {
-        if (!b.params.empty()) check_cuda(e, "error_sums", b.params[0].device());
+        if (!params.empty()) check_cuda(e, "error_sums", params[0].device());
         TORCH_CHECK_VALUE(e.scalar_type() == torch::kFloat64 && e.numel() == Q8_TELEMETRY_SUMS * (int64_t)maps.size(),
                           "error_sums must be float64 tensors of ", Q8_TELEMETRY_SUMS, " values per state, got ",
                           e.numel(), " of ", e.scalar_type());
     }
-    b.error_sums = error_sums;
-    b.corrections = corrections;
-    TORCH_CHECK_VALUE(absmax.size() == b.params.size(), "step_many: absmax must have one list per tensor (",
-                      b.params.size(), "), got ", absmax.size());
-    for (size_t t = 0; t < b.params.size(); ++t)
-        check_step(b.params[t], b.grads[t], states[t], absmax[t], maps, lookups, block_size);
-    if (b.params.empty()) return;
-    b.skip = skip_flag(skip, b.params[0].device());
-    b.states = std::move(states);
-    b.absmax = std::move(absmax);
-    b.maps = std::move(maps);
-    b.lookups = std::move(lookups);
-    for (size_t k = 0; k < b.lookups.size(); ++k) b.map_kind[k] = lookup_kind(b.lookups[k]);
+    TORCH_CHECK_VALUE(absmax.size() == params.size(), "step_many: absmax must have one list per tensor (",
+                      params.size(), "), got ", absmax.size());
+    for (size_t t = 0; t < params.size(); ++t)
+        check_step(params[t], grads[t], states[t], absmax[t], maps, lookups, block_size);
+    if (params.empty()) return;
+    b.skip = skip_flag(skip, params[0].device());
+    for (size_t t = 0; t < params.size(); ++t) {
+        StepTensor& in = b.tensors[t];
+        in.states = (int)states[t].size();
+        for (size_t k = 0; k < states[t].size(); ++k) {
+            in.state[k] = states[t][k].data_ptr();
+            in.absmax[k] = absmax_bits(absmax[t][k]);
+        }
+        if (!error_sums.empty()) in.error_sums = error_sums[t].data_ptr<double>();
+        if (!corrections.empty()) in.correction = corrections[t].data_ptr<int8_t>();
+    }
+    for (size_t k = 0; k < maps.size(); ++k) {
+        b.maps[k] = maps[k].data_ptr<float>();
+        b.lookups[k] = reinterpret_cast<const uint32_t*>(lookups[k].data_ptr<int32_t>());
+        b.map_kind[k] = lookup_kind(lookups[k]);
+    }
     b.block_size = block_size;
     binding::check_settings(rule, hyper);
-    cuda_step_many(b, hyper);
+    launch(b, params, grads, hyper);
 }
 
 void step(const std::string& rule, torch::Tensor param, const torch::Tensor& grad, std::vector<torch::Tensor> states,
@@ -217,15 +258,14 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
                     const c10::optional<torch::Tensor>& skip, const std::vector<torch::Tensor>& corrections) {
     const bool corrected = binding::check_corrections(corrections, params, false);
     TORCH_CHECK_VALUE(!corrected || sr_keys.empty(), "correction bytes replace stochastic rounding: pass no sr_keys");
-    StepBatch b =
-        list_batch(rule, std::move(params), std::move(grads), states.size(), sr_keys, sr_index, "step_fp32_many");
-    if (b.params.empty()) return;
-    const auto device = b.params[0].device();
-    for (size_t t = 0; t < b.params.size(); ++t) {
-        check_cuda(b.params[t], "param", device);
-        check_cuda(b.grads[t], "grad", device);
-        const int64_t n = b.params[t].numel();
-        TORCH_CHECK_VALUE(b.grads[t].numel() == n, "grad has ", b.grads[t].numel(), " elements, param has ", n);
+    StepBatch b = list_batch(rule, params, grads, states.size(), sr_keys, sr_index, "step_fp32_many");
+    if (params.empty()) return;
+    const auto device = params[0].device();
+    for (size_t t = 0; t < params.size(); ++t) {
+        check_cuda(params[t], "param", device);
+        check_cuda(grads[t], "grad", device);
+        const int64_t n = params[t].numel();
+        TORCH_CHECK_VALUE(grads[t].numel() == n, "grad has ", grads[t].numel(), " elements, param has ", n);
         TORCH_CHECK_VALUE(states[t].size() >= 1 && states[t].size() <= (size_t)Q8_MAX_STATES,
                           "states must hold 1 to ", Q8_MAX_STATES, " tensors per param, got ", states[t].size());
         for (const auto& st : states[t]) {
@@ -235,11 +275,14 @@ void step_fp32_many(const std::string& rule, std::vector<torch::Tensor> params, 
         }
     }
     b.skip = skip_flag(skip, device);
-    b.states = std::move(states);
+    for (size_t t = 0; t < params.size(); ++t) {
+        b.tensors[t].states = (int)states[t].size();
+        for (size_t k = 0; k < states[t].size(); ++k) b.tensors[t].state[k] = states[t][k].data_ptr();
+        if (!corrections.empty()) b.tensors[t].correction = corrections[t].data_ptr<int8_t>();
+    }
     b.fp32_states = true;
-    b.corrections = corrections;
     binding::check_settings(rule, hyper);
-    cuda_step_many(b, hyper);
+    launch(b, params, grads, hyper);
 }
 
 // The step of 4-bit Adam state (optim_bits=4, ds_q8/format4.py) of many tensors, each starting a block at an
@@ -260,11 +303,10 @@ void step4_many(const std::string& rule, std::vector<torch::Tensor> params, std:
     const size_t n = params.size();
     TORCH_CHECK_VALUE(m_codes.size() == n && v_codes.size() == n && m_absmax.size() == n && v_max.size() == n,
                       "step4_many: m_codes, v_codes, m_absmax and v_max must have one tensor per param (", n, ")");
-    StepBatch b = list_batch(rule, std::move(params), std::move(grads), n, sr_keys, sr_index, "step4_many");
+    StepBatch b = list_batch(rule, params, grads, n, sr_keys, sr_index, "step4_many");
     b.stochastic = b.has_keys && stochastic_params;
-    b.corrections = corrections;
-    if (b.params.empty()) return;
-    const auto device = b.params[0].device();
+    if (params.empty()) return;
+    const auto device = params[0].device();
     const int64_t sizes[4] = {15, 14, 16, 15};
     TORCH_CHECK_VALUE(maps.size() == 4, "maps must be format4's M_MAP, M_MIDPOINTS, V_MAP and V_MIDPOINTS, got ",
                       maps.size(), " tensors");
@@ -274,10 +316,10 @@ void step4_many(const std::string& rule, std::vector<torch::Tensor> params, std:
                           "] must be ", sizes[i], " float32 values, got ", maps[i].numel(), " of ", maps[i].scalar_type());
     }
     for (size_t t = 0; t < n; ++t) {
-        check_cuda(b.params[t], "param", device);
-        check_cuda(b.grads[t], "grad", device);
-        const int64_t numel = b.params[t].numel(), bytes = (numel + 1) / 2, nb = (numel + block_size - 1) / block_size;
-        TORCH_CHECK_VALUE(b.grads[t].numel() == numel, "grad has ", b.grads[t].numel(), " elements, param has ", numel);
+        check_cuda(params[t], "param", device);
+        check_cuda(grads[t], "grad", device);
+        const int64_t numel = params[t].numel(), bytes = (numel + 1) / 2, nb = (numel + block_size - 1) / block_size;
+        TORCH_CHECK_VALUE(grads[t].numel() == numel, "grad has ", grads[t].numel(), " elements, param has ", numel);
         for (const torch::Tensor* c : {&m_codes[t], &v_codes[t]}) {
             check_cuda(*c, "codes", device);
             TORCH_CHECK_VALUE(c->scalar_type() == torch::kUInt8 && c->numel() == bytes, "4-bit codes of ", numel,
@@ -290,15 +332,21 @@ void step4_many(const std::string& rule, std::vector<torch::Tensor> params, std:
                           m_absmax[t].scalar_type());
         TORCH_CHECK_VALUE(v_max[t].scalar_type() == torch::kFloat32 && v_max[t].numel() == nb, "v_max must be ", nb,
                           " float32 block maxima, got ", v_max[t].numel(), " of ", v_max[t].scalar_type());
-        b.states.push_back({m_codes[t], v_codes[t]});
-        b.absmax.push_back({m_absmax[t], v_max[t]});
+        StepTensor& in = b.tensors[t];
+        in.states = 2;
+        in.state[0] = m_codes[t].data_ptr();
+        in.state[1] = v_codes[t].data_ptr();
+        in.absmax[0] = absmax_bits(m_absmax[t]);
+        in.absmax[1] = v_max[t].data_ptr<float>();
+        if (!corrections.empty()) in.correction = corrections[t].data_ptr<int8_t>();
     }
     b.skip = skip_flag(skip, device);
     b.block_size = block_size;
     b.four_bit = true;
-    b.four_maps = torch::cat(maps).contiguous();
+    const torch::Tensor four_maps = torch::cat(maps).contiguous();  // lives until the launch is queued
+    b.four_maps = four_maps.data_ptr<float>();
     binding::check_settings(rule, hyper);
-    cuda_step_many(b, hyper);
+    launch(b, params, grads, hyper);
 }
 
 std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor& code, const torch::Tensor& lookup,
@@ -306,9 +354,13 @@ std::vector<torch::Tensor> quantize(const torch::Tensor& x, const torch::Tensor&
     check_block_size(block_size);
     check_cuda(x, "x", x.device());
     check_map(code, &lookup, x.device());
+    TORCH_CHECK_VALUE(dtype_of(x.scalar_type()) != Q8DType::kOther, "x must be float32, float16 or bfloat16, got ",
+                      x.scalar_type());
     auto codes = torch::empty(x.sizes(), x.options().dtype(torch::kUInt8));
     auto absmax = torch::empty({(x.numel() + block_size - 1) / block_size}, x.options().dtype(torch::kBFloat16));
-    cuda_quantize(x, codes, absmax, lookup, block_size);
+    const c10::cuda::CUDAGuard guard(x.device());
+    cuda_quantize(x.data_ptr(), dtype_of(x.scalar_type()), x.numel(), codes.data_ptr<uint8_t>(), absmax_bits(absmax),
+                  reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), block_size);
     return {codes, absmax};
 }
 
@@ -317,8 +369,11 @@ torch::Tensor dequantize(const torch::Tensor& codes, const torch::Tensor& absmax
     check_block_size(block_size);
     check_codes(codes, absmax, codes.numel(), block_size, codes.device());
     check_map(code, nullptr, codes.device());
+    TORCH_CHECK_VALUE(dtype_of(dtype) != Q8DType::kOther, "dtype must be float32, float16 or bfloat16, got ", dtype);
     auto out = torch::empty(codes.sizes(), codes.options().dtype(dtype));
-    cuda_dequantize(codes, absmax, code, out, block_size);
+    const c10::cuda::CUDAGuard guard(codes.device());
+    cuda_dequantize(codes.data_ptr<uint8_t>(), absmax_bits(absmax), code.data_ptr<float>(), out.data_ptr(),
+                    dtype_of(dtype), codes.numel(), block_size);
     return out;
 }
 

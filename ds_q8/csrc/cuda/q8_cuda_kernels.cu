@@ -108,8 +108,7 @@ __global__ void dequantize_kernel(T* __restrict__ out, const uint8_t* __restrict
 }  // namespace
 
 void cuda_step_many(const StepBatch& b, const std::map<std::string, double>& hyper) {
-    if (b.params.empty()) return;
-    const c10::cuda::CUDAGuard guard(b.params[0].device());
+    if (b.tensors.empty()) return;
     static_assert(kStepParts == 8, "one call per part");
     if (step_in_part<0>(b, hyper) || step_in_part<1>(b, hyper) || step_in_part<2>(b, hyper) ||
         step_in_part<3>(b, hyper) || step_in_part<4>(b, hyper) || step_in_part<5>(b, hyper) ||
@@ -118,47 +117,40 @@ void cuda_step_many(const StepBatch& b, const std::map<std::string, double>& hyp
     TORCH_CHECK_VALUE(false, "no CUDA kernel for update rule '", b.rule, "'");
 }
 
-void cuda_quantize(const at::Tensor& x, at::Tensor& codes, at::Tensor& absmax, const at::Tensor& lookup,
-                   int64_t block_size) {
-    const int64_t n = x.numel();
+void cuda_quantize(const void* x, Q8DType dtype, int64_t n, uint8_t* codes, uint16_t* absmax,
+                   const uint32_t* lookup, int64_t block_size) {
     if (n == 0) return;
-    const c10::cuda::CUDAGuard guard(x.device());
     const Geometry geo = geometry(n, block_size);
-    const int x_align = alignment(x.data_ptr()), codes_align = alignment(codes.data_ptr());
+    const int x_align = alignment(x), codes_align = alignment(codes);
     auto stream = c10::cuda::getCurrentCUDAStream();
-    const auto* lk = reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>());
 #define Q8_QUANTIZE(T)                                                                                       \
-    Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, 0, stream,                                     \
-        reinterpret_cast<const T*>(x.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax), lk, n,     \
-        (int)block_size, geo.threads_per_qblock, x_align, codes_align)
-    switch (x.scalar_type()) {
-        case at::kFloat: Q8_QUANTIZE(float); break;
-        case at::kHalf: Q8_QUANTIZE(q8_half); break;
-        case at::kBFloat16: Q8_QUANTIZE(q8_bf16); break;
-        default: TORCH_CHECK_VALUE(false, "x must be float32, float16 or bfloat16, got ", x.scalar_type());
+    Q8_LAUNCH(quantize_kernel<T>, (unsigned)geo.grid, geo.threads, 0, stream, static_cast<const T*>(x), codes, \
+        absmax, lookup, n, (int)block_size, geo.threads_per_qblock, x_align, codes_align)
+    switch (dtype) {  // (the binding refuses other dtypes)
+        case Q8DType::kFloat32: Q8_QUANTIZE(float); break;
+        case Q8DType::kFloat16: Q8_QUANTIZE(q8_half); break;
+        case Q8DType::kBFloat16: Q8_QUANTIZE(q8_bf16); break;
+        default: TORCH_CHECK_VALUE(false, "x must be float32, float16 or bfloat16");
     }
 #undef Q8_QUANTIZE
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void cuda_dequantize(const at::Tensor& codes, const at::Tensor& absmax, const at::Tensor& code, at::Tensor& out,
-                     int64_t block_size) {
-    const int64_t n = codes.numel();
+void cuda_dequantize(const uint8_t* codes, const uint16_t* absmax, const float* code, void* out, Q8DType dtype,
+                     int64_t n, int64_t block_size) {
     if (n == 0) return;
-    const c10::cuda::CUDAGuard guard(codes.device());
     const int threads = kMinThreads;
     const int64_t grid = (n + (int64_t)threads * kElems - 1) / ((int64_t)threads * kElems);
-    const int out_align = alignment(out.data_ptr()), codes_align = alignment(codes.data_ptr());
+    const int out_align = alignment(out), codes_align = alignment(codes);
     auto stream = c10::cuda::getCurrentCUDAStream();
 #define Q8_DEQUANTIZE(T)                                                                                     \
-    Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, 0, stream,                                           \
-        reinterpret_cast<T*>(out.data_ptr()), codes.data_ptr<uint8_t>(), absmax_bits(absmax),               \
-        code.data_ptr<float>(), n, (int)block_size, out_align, codes_align)
-    switch (out.scalar_type()) {
-        case at::kFloat: Q8_DEQUANTIZE(float); break;
-        case at::kHalf: Q8_DEQUANTIZE(q8_half); break;
-        case at::kBFloat16: Q8_DEQUANTIZE(q8_bf16); break;
-        default: TORCH_CHECK_VALUE(false, "dtype must be float32, float16 or bfloat16, got ", out.scalar_type());
+    Q8_LAUNCH(dequantize_kernel<T>, (unsigned)grid, threads, 0, stream, static_cast<T*>(out), codes, absmax, code, \
+        n, (int)block_size, out_align, codes_align)
+    switch (dtype) {  // (the binding refuses other dtypes)
+        case Q8DType::kFloat32: Q8_DEQUANTIZE(float); break;
+        case Q8DType::kFloat16: Q8_DEQUANTIZE(q8_half); break;
+        case Q8DType::kBFloat16: Q8_DEQUANTIZE(q8_bf16); break;
+        default: TORCH_CHECK_VALUE(false, "dtype must be float32, float16 or bfloat16");
     }
 #undef Q8_DEQUANTIZE
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -15,9 +15,9 @@
 // Compiled with -fmad=false and without fast-math so that every operation rounds like torch's.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
+// c10's stream (with C10_CUDA_CHECK) and checks only: the tensors are pointers by now (q8_cuda_api.h)
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 
 #include <cstring>
 #include <map>

@@ -15,11 +15,6 @@ namespace ds_q8 {
 namespace {
 
 // ------------------------------------------------------------------ host side
-// The bits of a tensor of stored block maxima (bf16; the bindings check the dtype).
-uint16_t* absmax_bits(const at::Tensor& t) {
-    return reinterpret_cast<uint16_t*>(const_cast<at::BFloat16*>(t.data_ptr<at::BFloat16>()));
-}
-
 // The byte alignment of a pointer, capped at 16 (what load_words can use).
 int alignment(const void* p) {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
@@ -55,14 +50,16 @@ int64_t resident_ctas(Kernel kernel, int threads, size_t smem) {
     return known[key] = (int64_t)sms * per_sm;
 }
 
-// The slots and first tiles of a launch in device memory: one buffer, copied from pinned host memory on
-// the stream (the caching allocators keep both until the copy and the kernel are done).
-at::Tensor device_table(const std::vector<StepSlot>& slots, const std::vector<int32_t>& first, at::Device device) {
+// The slots and first tiles of a launch in device memory: one buffer, uploaded by the binding's `upload`
+// (copied from pinned host memory on the stream; the caching allocators keep both until the copy and the
+// kernel are done).
+const uint8_t* device_table(const StepBatch& b, const std::vector<StepSlot>& slots, const std::vector<int32_t>& first) {
     const size_t slot_bytes = slots.size() * sizeof(StepSlot), bytes = slot_bytes + first.size() * sizeof(int32_t);
-    auto host = at::empty({(int64_t)bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(!device.is_cpu()));
-    std::memcpy(host.data_ptr<uint8_t>(), slots.data(), slot_bytes);
-    std::memcpy(host.data_ptr<uint8_t>() + slot_bytes, first.data(), first.size() * sizeof(int32_t));
-    return device.is_cpu() ? host : host.to(device, at::kByte, /*non_blocking=*/true);
+    std::vector<uint8_t> host(bytes);
+    std::memcpy(host.data(), slots.data(), slot_bytes);
+    std::memcpy(host.data() + slot_bytes, first.data(), first.size() * sizeof(int32_t));
+    TORCH_CHECK(b.upload, "the step's batch has no upload");
+    return static_cast<const uint8_t*>(b.upload(host.data(), bytes));
 }
 
 // Launches one kernel for every tensor of the batch (tensors without elements are left out), over tiles
@@ -75,31 +72,30 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
     std::vector<StepSlot> slots;
     std::vector<int32_t> first;
     int64_t tiles = 0;
-    for (size_t t = 0; t < b.params.size(); ++t) {
-        const int64_t numel = b.params[t].numel();
+    for (const StepTensor& in : b.tensors) {
+        const int64_t numel = in.numel;
         if (numel == 0) continue;
         StepSlot s{};
-        s.param = b.params[t].data_ptr();
-        s.grad = b.grads[t].data_ptr();
+        s.param = in.param;
+        s.grad = in.grad;
         s.numel = numel;
         s.align_param = (uint8_t)alignment(s.param);
         s.align_grad = (uint8_t)alignment(s.grad);
         s.align_state = 16;
         for (int k = 0; k < K; ++k) {
-            s.state[k] = b.states[t][k].data_ptr();
+            s.state[k] = in.state[k];
             s.align_state = (uint8_t)min_alignment(s.align_state, alignment(s.state[k]));
-            if (!b.absmax.empty())  // 4-bit state: the second moment's maxima are float32, carried as such
-                s.absmax[k] = b.absmax[t][k].scalar_type() == at::kFloat
-                                  ? reinterpret_cast<uint16_t*>(b.absmax[t][k].data_ptr<float>())
-                                  : absmax_bits(b.absmax[t][k]);
+            // 4-bit state: the second moment's maxima are float32, carried as such
+            s.absmax[k] = static_cast<uint16_t*>(in.absmax[k]);
         }
         if (b.has_keys) {
+            const size_t t = (size_t)(&in - b.tensors.data());
             s.sr_key = (uint32_t)b.sr_keys[t];
             s.sr_index = b.sr_index[t];
             for (int k = 0; k < K; ++k) s.state_key[k] = q8_state_key(s.sr_key, k);
         }
-        if (!b.error_sums.empty()) s.error_sums = b.error_sums[t].data_ptr<double>();
-        if (!b.corrections.empty()) s.correction = b.corrections[t].data_ptr<int8_t>();
+        s.error_sums = in.error_sums;
+        s.correction = in.correction;
         s.tensor = (int32_t)slots.size();
         s.first_tile = (int32_t)tiles;
         first.push_back((int32_t)tiles);
@@ -111,9 +107,9 @@ void launch_lists(const StepBatch& b, StepList list, Kernel kernel, const Rule& 
     }
     if (slots.empty()) return;
     first.push_back((int32_t)tiles);
-    const at::Tensor table = device_table(slots, first, b.params[0].device());
-    list.slot = reinterpret_cast<const StepSlot*>(table.data_ptr<uint8_t>());
-    list.first_tile = reinterpret_cast<const int32_t*>(table.data_ptr<uint8_t>() + slots.size() * sizeof(StepSlot));
+    const uint8_t* table = device_table(b, slots, first);
+    list.slot = reinterpret_cast<const StepSlot*>(table);
+    list.first_tile = reinterpret_cast<const int32_t*>(table + slots.size() * sizeof(StepSlot));
     list.count = (int32_t)slots.size();
     list.tiles = (int32_t)tiles;
     const int64_t grid = resident_ctas(kernel, threads, smem);
@@ -141,7 +137,7 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     list.threads_per_qblock = T;
     if (b.four_bit) {  // Adam's rules only (the binding checks): no other rule's kernel is compiled
         if constexpr (std::is_same<Rule, AdamRule<true>>::value || std::is_same<Rule, AdamRule<false>>::value) {
-            list.code[0] = b.four_maps.data_ptr<float>();
+            list.code[0] = b.four_maps;
             launch_lists(b, list, step4_kernel<Rule, P, G>, rule, threads, 0);
         }
         return;
@@ -150,8 +146,8 @@ void launch_step(const StepBatch& b, const Rule& rule) {
     bool minifloat = true;  // every state on the minifloat map of its rule's sign: no shared tables
     int tables = 0;
     for (int k = 0; k < K; ++k) {
-        list.code[k] = b.maps[k].data_ptr<float>();
-        list.lookup[k] = reinterpret_cast<const uint32_t*>(b.lookups[k].data_ptr<int32_t>());
+        list.code[k] = b.maps[k];
+        list.lookup[k] = b.lookups[k];
         list.map_kind[k] = b.map_kind[k];
         list.table_slot[k] = (int8_t)(b.map_kind[k] == kMapTable ? tables++ : -1);
         const bool is_signed = ((Rule::kSigned >> k) & 1u) != 0u;
@@ -174,8 +170,8 @@ void launch_step(const StepBatch& b, const Rule& rule) {
 
 template <class Rule>
 bool launch_dtypes(const StepBatch& b, const Rule& rule) {
-    const auto p = b.params[0].scalar_type(), g = b.grads[0].scalar_type();
-    const auto f32 = at::kFloat, f16 = at::kHalf, bf16 = at::kBFloat16;
+    const Q8DType p = b.param_dtype, g = b.grad_dtype;
+    constexpr Q8DType f32 = Q8DType::kFloat32, f16 = Q8DType::kFloat16, bf16 = Q8DType::kBFloat16;
     if (p == f32 && g == f32) return launch_step<Rule, float, float>(b, rule), true;
     if (p == f16 && g == f16) return launch_step<Rule, q8_half, q8_half>(b, rule), true;
     if (p == bf16 && g == bf16) return launch_step<Rule, q8_bf16, q8_bf16>(b, rule), true;
@@ -211,12 +207,11 @@ bool step_rules_of_part(const StepBatch& b, const std::map<std::string, double>&
 #define Q8_PART_RULE(NAME, RULE)                                                                               \
     if constexpr (rule_index(NAME) % kStepParts == Part) {                                                     \
         if (b.rule == NAME) {                                                                                  \
-            for (const auto& st : b.states)                                                                    \
-                TORCH_CHECK_VALUE(st.size() == (size_t)RULE::kStates, "update rule '", b.rule, "' keeps ",      \
-                                  RULE::kStates, " states, got ", st.size());                                 \
-            TORCH_CHECK_VALUE(launch_dtypes(b, RULE(get)), "no CUDA kernel for param ",                        \
-                              b.params[0].scalar_type(), " with grad ", b.grads[0].scalar_type(),              \
-                              " (grad must have the param's dtype or float32)");                               \
+            for (const StepTensor& in : b.tensors)                                                             \
+                TORCH_CHECK_VALUE(in.states == RULE::kStates, "update rule '", b.rule, "' keeps ",              \
+                                  RULE::kStates, " states, got ", in.states);                                 \
+            TORCH_CHECK_VALUE(launch_dtypes(b, RULE(get)), "no CUDA kernel for param ", b.param_dtype_name,    \
+                              " with grad ", b.grad_dtype_name, " (grad must have the param's dtype or float32)"); \
             return true;                                                                                       \
         }                                                                                                      \
     }
