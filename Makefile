@@ -31,12 +31,14 @@ demo: $(STAMP)
 	@echo "report: out/compare/report.md"
 	@echo "plot:   out/compare/loss.png"
 
-# one pytest-xdist worker per core, each taking whole modules (their fixtures are shared by their tests)
+# one pytest-xdist worker per core, each taking whole modules (their fixtures are shared by their tests) in
+# collection order: the longest first (tests/helpers/plugin.py), not xdist's order by number of tests
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=40
+	$(PY) -m pytest -q $(XDIST) --durations=40
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist loadfile -m "not slow and not multirank"
+	$(PY) -m pytest -q $(XDIST) -m "not slow and not multirank"
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu

@@ -107,3 +107,22 @@ def test_unknown_markers_are_refused(tmp_path):
     (tmp_path / "extra" / "test_typo.py").write_text("import pytest\n\n\n@pytest.mark.gpus\ndef test_x():\n    pass\n")
     out = run_planted(tmp_path, str(tmp_path / "extra"), "-k", "test_x")
     assert out.returncode != 0 and "'gpus' not found in `markers`" in out.stdout + out.stderr
+
+
+def test_the_longest_modules_run_first_under_make_test():
+    """make test hands whole modules to the workers in collection order, the longest first: each module the
+    ordering names exists (a renamed one would silently fall back to the end), and the Makefile keeps xdist from
+    reordering modules by their number of tests, which would put the longest last."""
+    from helpers.plugin import FIRST_MODULES
+
+    modules = [p.name for d in ("tests", "gpu_check/tests", "studies/tests") for p in (ROOT / d).glob("test_*.py")]
+    assert len(set(FIRST_MODULES)) == len(FIRST_MODULES)
+    for name in FIRST_MODULES:
+        assert modules.count(name) == 1, name
+    make = (ROOT / "Makefile").read_text()
+    assert "--dist loadfile --no-loadscope-reorder" in make
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_plugin.py",
+                          "tests/test_cuda_sim.py", "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    ids = [line for line in out.stdout.splitlines() if "::" in line]
+    assert ids and ids[0].startswith("tests/test_cuda_sim.py::"), out.stdout[-2000:]

@@ -41,12 +41,15 @@ def _gpu() -> bool:
     return torch.cuda.is_available()
 
 
-#: the modules whose tests take longest (minutes each, the sanitizer runs first), run first: under
-#: ``pytest -n N --dist loadfile`` (make test) a worker takes a module whole, in collection order, so the
-#: long ones start at once and the many short ones fill the other workers instead of trailing behind
-FIRST_MODULES = ("test_cuda_sim.py", "test_zero_invariance.py", "test_fidelity.py", "test_cuda_build.py",
-                 "test_deepspeed_checkpoint.py", "test_multinode.py", "test_fast_search_scalar.py",
-                 "test_avx512_emulated.py")
+#: the modules whose tests take longest (a minute and more each, the longest first), run first: under
+#: ``pytest -n N --dist loadfile --no-loadscope-reorder`` (make test) a worker takes a module whole, in
+#: collection order, so the long ones start at once and the many short ones fill the workers' ends instead
+#: of a long one trailing behind. (Without ``--no-loadscope-reorder`` xdist orders modules by their number
+#: of tests instead.) test_avx512_emulated.py takes minutes only where it emulates, on a CPU without AVX-512.
+FIRST_MODULES = ("test_cuda_sim.py", "test_fidelity.py", "test_zero_invariance.py", "test_cuda_build.py",
+                 "test_avx512_emulated.py", "test_floor_table.py", "test_muon.py", "test_multinode.py",
+                 "test_offload_memory.py", "test_deepspeed_checkpoint.py", "test_gpu_train.py",
+                 "test_fast_search_scalar.py", "test_gpu_check.py", "test_minifloat_codec.py", "test_train_run.py")
 
 
 def _module_rank(item) -> int:
