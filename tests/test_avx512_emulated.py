@@ -33,3 +33,20 @@ def test_avx512_kernels_match_the_reference_under_emulation():
     assert out.returncode == 0, tail
     summary = out.stdout.strip().splitlines()[-1]
     assert " passed" in summary and "skipped" not in summary, tail
+
+
+@pytest.mark.skipif(not os.path.exists(SIMDE_HEADER), reason=f"SIMDe's headers ({SIMDE_HEADER}) are not installed")
+def test_the_emulated_avx512_kernels_compile_on_every_cpu(monkeypatch):
+    """Every intrinsic the AVX-512 kernels use has an emulation (SIMDe's or q8_avx512_emulation.h's), checked
+    on every machine, a CPU with AVX-512 included (where the test above skips): an intrinsic added without one
+    would otherwise fail only on CPUs without AVX-512. A second of the compiler's front end, no build."""
+    from ds_q8.op_builder import Q8CPUBuilder
+    from ds_q8.op_builder.common import csrc
+
+    monkeypatch.setenv("DS_Q8_EMULATE_AVX512", "1")
+    flags = Q8CPUBuilder().cxx_args()
+    assert "-DQ8_EMULATE_AVX512" in flags
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++20", f"-I{csrc('includes')}", *flags, "-fsyntax-only",
+           csrc("cpu", "isa_avx512.cpp")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]

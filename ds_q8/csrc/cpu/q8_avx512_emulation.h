@@ -148,6 +148,18 @@ inline simde__m512 reduce_ps(simde__m512 a, int imm) {
     return from_lanes<simde__m512>(f);
 }
 
+// VFMSUB with a merge mask: a * b - c rounded once where m is set, a elsewhere (fmaf rounds once, as the
+// instruction does)
+inline simde__m512 mask_fmsub_ps(simde__m512 a, simde__mmask16 m, simde__m512 b, simde__m512 c) {
+    float fa[16], fb[16], fc[16];
+    to_lanes(a, fa);
+    to_lanes(b, fb);
+    to_lanes(c, fc);
+    for (int i = 0; i < 16; ++i)
+        if ((m >> i) & 1) fa[i] = fmaf(fa[i], fb[i], -fc[i]);
+    return from_lanes<simde__m512>(fa);
+}
+
 template <int kImm>
 inline simde__m256i cvtps_ph(simde__m512 a) {
     float f[16];
@@ -173,6 +185,7 @@ inline simde__m256i cvtps_ph(simde__m512 a) {
 #define _mm512_mask_cvtepi32_storeu_epi8(p, m, a) q8_emulated::mask_cvtepi32_storeu_epi8((p), (m), (a))
 #define _mm512_reduce_max_epu32(a) q8_emulated::reduce_max_epu32(a)
 #define _mm512_reduce_ps(a, imm) q8_emulated::reduce_ps((a), (imm))
+#define _mm512_mask_fmsub_ps(a, m, b, c) q8_emulated::mask_fmsub_ps((a), (m), (b), (c))
 #define _mm512_shuffle_i64x2(a, b, imm) simde_mm512_shuffle_i64x2((a), (b), (imm))
 #define _mm512_maskz_loadu_ps(m, p) (q8_emulated::masked_load<simde__m512, float, 16>((m), (p)))
 #define _mm512_maskz_loadu_epi8(m, p) (q8_emulated::masked_load<simde__m512i, int8_t, 64>((m), (p)))
