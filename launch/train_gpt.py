@@ -328,6 +328,11 @@ def build_engine(args, cfg: dict, vocab_size: int) -> tuple:
     n_params = sum(p.numel() for p in model.parameters())
     if compute_dtype(args, cfg) == "fp32" and bf16:
         gpt_models.compute_in_fp32(model)  # bf16 weights, gradients and masters; fp32 arithmetic
+        zero = cfg.get("zero_optimization") or {}
+        if int(zero.get("stage", 0)) == 3:
+            # ZeRO-3's memory-efficient linear saves the bf16 weight for its own backward, which then meets
+            # an fp32 gradient; torch's linear lets autograd cast the weight's gradient back to bf16
+            cfg = dict(cfg, zero_optimization=dict(zero, memory_efficient_linear=False))
     groups = ds_q8.param_groups(model, config_weight_decay(cfg))  # embeddings keep 32-bit state
     if args.copy_bf16_masters:
         from ds_q8.integration import host_copies, shared_masters
