@@ -69,11 +69,20 @@ def count_params_on_meta(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-#: what compute_in_fp32 passes through uncast: writes into a tensor (a cast copy would take the write) and
-#: attribute reads (``.dtype``, ``.shape``: nothing to compute, and a cast would copy the weight to read them)
+#: what compute_in_fp32 passes through uncast: writes into a tensor (a cast copy would take the write),
+#: attribute reads (``.dtype``, ``.shape``: nothing to compute, and a cast would copy the weight to read them),
+#: data movement and views
 _NOT_CAST = frozenset({"__setitem__", "__delitem__", "__set__", "__get__", "__iadd__", "__isub__", "__imul__",
                        "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__",
-                       "__ixor__", "__ilshift__", "__irshift__"})
+                       "__ixor__", "__ilshift__", "__irshift__",
+                       # data movement and views compute nothing: their result stays bf16 and is cast where it is
+                       # computed with. ZeRO-3 makes a parameter's weight available by such reads of its bf16
+                       # partition (``param.data = ds_tensor.data.to(device).view(shape)``) inside the forward;
+                       # cast there, the parameter itself would turn fp32 until its next gather
+                       "to", "view", "view_as", "reshape", "reshape_as", "narrow", "as_strided", "flatten",
+                       "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "permute", "transpose", "t",
+                       "contiguous", "detach", "clone", "split", "chunk", "unbind", "select", "cpu", "cuda",
+                       "pin_memory", "empty_like"})
 
 
 def compute_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
@@ -84,7 +93,8 @@ def compute_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
     forward reads is cast to fp32 first, so activations and products are fp32; autograd casts each weight's
     gradient back to the weight's dtype, so DeepSpeed still receives bf16 gradients and keeps bf16 masters,
     and the optimizer steps them as after a bf16 forward. Each gradient is the fp32 gradient rounded to bf16
-    once. Writes (in-place operations, ``out=``) and attribute reads pass through uncast (:data:`_NOT_CAST`).
+    once. Writes (in-place operations, ``out=``), attribute reads, data movement and views pass through
+    uncast (:data:`_NOT_CAST`).
     Returns ``model``, changed in place.
     """
     import functools

@@ -93,3 +93,56 @@ def test_deepspeed_trains_bf16_masters_from_fp32_compute(tmp_path):
     assert fast["optimizer_state_bytes"] == plain["optimizer_state_bytes"] == pytest.approx(4 * fast["n_params"],
                                                                                              abs=100)
     assert fast["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=0.02)
+
+
+def test_weights_made_available_inside_the_forward_stay_bf16():
+    """ZeRO-3 frees each weight after use and makes it available again in a hook inside the forward, by
+    reading its bf16 partition (``param.data = partition.data.to(device).view(shape)``). Those reads compute
+    nothing: the weight stays bf16, so what autograd saved of it and the gradient it gets stay bf16 too."""
+    model = tiny_gpt()
+    partitions = {p: (p.detach().clone().flatten(), p.shape) for p in model.parameters()}
+
+    def gather(module, args):
+        for p in module.parameters(recurse=False):
+            flat, shape = partitions[p]
+            p.data = flat.data.to(device=p.device).view(shape)
+
+    def release(module, args, output):
+        for p in module.parameters(recurse=False):
+            p.data = torch.empty(0, dtype=p.dtype)
+
+    for m in model.modules():
+        m.register_forward_pre_hook(gather)
+        if not any(p is model.transformer.wte.weight for p in m.parameters(recurse=False)):
+            m.register_forward_hook(release)  # the tied weight is read again by the LM head
+    fast = gpt_models.compute_in_fp32(model)
+    seen = []
+    fast.transformer.ln_f.register_forward_pre_hook(lambda m, a: seen.append(m.weight.dtype))
+    for m in model.modules():  # backward reads the saved weights: make them available again, in bf16
+        m.register_full_backward_pre_hook(lambda m, g: gather(m, ()))
+    got = grads(fast, TOKENS)
+    assert seen == [torch.bfloat16]
+    assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in got.values())
+
+
+@pytest.mark.slow
+def test_zero3_trains_bf16_masters_from_fp32_compute(tmp_path):
+    """ZeRO-3 on one rank with bf16 masters, computing in fp32 (what ``--compute auto`` picks on a CPU
+    without native bf16): trains as the bf16 compute run does."""
+    import json
+
+    config = json.loads((CONFIGS / "tiny_cpu_8bit_bf16master.json").read_text())
+    config["zero_optimization"] = {"stage": 3}
+    path = tmp_path / "zero3.json"
+    path.write_text(json.dumps(config))
+    runs = {}
+    for compute in ("fp32", "bf16"):
+        d = tmp_path / compute
+        train(d, "--deepspeed_config", path, "--n_layer", "1", "--context", "32", "--max_steps", "4",
+              "--eval_interval", "0", "--save_interval", "0", "--compute", compute)
+        runs[compute] = summary(d)
+    fast, plain = runs["fp32"], runs["bf16"]
+    assert fast["compute"] == "fp32" and fast["masters"] == plain["masters"] == "bf16"
+    assert fast["optimizer_state_bytes"] == plain["optimizer_state_bytes"]
+    assert fast["final_eval_loss"] == pytest.approx(plain["final_eval_loss"], rel=0.02)
