@@ -82,7 +82,7 @@ _NOT_CAST = frozenset({"__setitem__", "__delitem__", "__set__", "__get__", "__ia
                        "to", "view", "view_as", "reshape", "reshape_as", "narrow", "as_strided", "flatten",
                        "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "permute", "transpose", "t",
                        "contiguous", "detach", "clone", "split", "chunk", "unbind", "select", "cpu", "cuda",
-                       "pin_memory", "empty_like"})
+                       "pin_memory"})
 
 
 def compute_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
