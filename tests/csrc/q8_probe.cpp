@@ -31,15 +31,16 @@ bool fast_search(const torch::Tensor& code) {
     return segment_tables(code, &m);
 }
 
-// The AVX-512 segment search against the lookup table over every float in [-limit, limit];
-// -1 when the map has no segment tables.
-int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& lookup, double limit) {
+// The AVX-512 segment search against the lookup table over every float in [-limit, limit] (every
+// stride-th run of 64 floats where stride > 1); -1 when the map has no segment tables.
+int64_t fast_search_mismatches(const torch::Tensor& code, const torch::Tensor& lookup, double limit, int64_t stride) {
     binding::check_lookup(lookup);
     TORCH_CHECK_VALUE(limit >= 0.0 && limit < 2.0, "limit must be in [0, 2), got ", limit);
+    TORCH_CHECK_VALUE(stride >= 1, "stride must be at least 1, got ", stride);
     FastMap m;
     if (!segment_tables(code, &m)) return -1;
     return fast_search_mismatches_avx512(reinterpret_cast<const uint32_t*>(lookup.data_ptr<int32_t>()), m,
-                                         (float)limit, at::get_num_threads());
+                                         (float)limit, stride, at::get_num_threads());
 }
 
 std::unique_ptr<FloorTable> floor_table_of(const torch::Tensor& code) {
@@ -152,13 +153,15 @@ torch::Tensor minifloat_codes_scalar(const torch::Tensor& z, bool is_signed, int
     return out;
 }
 
-// The minifloat encoders of `isa` against q8_mf_code over every float in [-limit, limit] (the map's units).
-int64_t minifloat_mismatches(const std::string& isa, bool is_signed, int64_t mode, double limit) {
+// The minifloat encoders of `isa` against q8_mf_code over every float in [-limit, limit] (the map's units;
+// every stride-th run of 64 floats where stride > 1).
+int64_t minifloat_mismatches(const std::string& isa, bool is_signed, int64_t mode, double limit, int64_t stride) {
     TORCH_CHECK_VALUE(isa == "avx512" || isa == "avx2", "isa must be 'avx512' or 'avx2', got '", isa, "'");
     TORCH_CHECK_VALUE(limit >= 0.0 && limit < 4.0, "limit must be in [0, 4), got ", limit);
+    TORCH_CHECK_VALUE(stride >= 1, "stride must be at least 1, got ", stride);
     const int threads = at::get_num_threads();
-    return isa == "avx512" ? mf_mismatches_avx512(is_signed, (int)mode, (float)limit, threads)
-                           : mf_mismatches_avx2(is_signed, (int)mode, (float)limit, threads);
+    return isa == "avx512" ? mf_mismatches_avx512(is_signed, (int)mode, (float)limit, stride, threads)
+                           : mf_mismatches_avx2(is_signed, (int)mode, (float)limit, stride, threads);
 }
 
 }  // namespace
@@ -168,13 +171,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "test probes of the ds_q8 CPU drivers";
     m.def("fast_search", &ds_q8::fast_search, "True when the map gets segment tables (no lookup-table search)");
     m.def("fast_search_mismatches", &ds_q8::fast_search_mismatches,
-          "AVX-512 segment search vs lookup table over every float in [-limit, limit]; -1 without tables");
+          "AVX-512 segment search vs lookup table over every float in [-limit, limit] (every stride-th run of 64); "
+          "-1 without tables",
+          pybind11::arg("code"), pybind11::arg("lookup"), pybind11::arg("limit"), pybind11::arg("stride") = 1);
     m.def("floor_map", &ds_q8::floor_map, "True when the map gets the AVX2 driver's floor rows");
     m.def("floor_table", &ds_q8::floor_table, "True when the map gets the CUDA step's floor tables");
     m.def("floor_round", &ds_q8::floor_round, "codes of scaled values by the CUDA step's floor tables");
     m.def("minifloat_codes_scalar", &ds_q8::minifloat_codes_scalar, "q8_mf_code on each value (the scalar codec)");
     m.def("minifloat_mismatches", &ds_q8::minifloat_mismatches,
-          "an instruction set's minifloat encoder vs q8_mf_code over every float in [-limit, limit]");
+          "an instruction set's minifloat encoder vs q8_mf_code over every float in [-limit, limit] (every "
+          "stride-th run of 64)",
+          pybind11::arg("isa"), pybind11::arg("is_signed"), pybind11::arg("mode"), pybind11::arg("limit"),
+          pybind11::arg("stride") = 1);
     m.def("floor_table_mismatches", &ds_q8::floor_table_mismatches,
           "the floor tables vs the reference's rule over every float in [-limit, limit]; -1 without tables");
 }

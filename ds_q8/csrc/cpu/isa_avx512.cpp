@@ -293,15 +293,16 @@ Q8_DEFINE_ISA(avx512, Avx512)
 #undef Q8_MF_PROBE_NAME
 #undef Q8_MF_PROBE_TRAITS
 namespace ds_q8 {
-// Every float in [-limit, limit] through the segment search, against the lookup table.
-int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads) {
+// Every float in [-limit, limit] (every stride-th run of 64) through the segment search, against the lookup table.
+int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int64_t stride,
+                                      int num_threads) {
     const uint32_t top = q8_bits(limit);
     const int64_t chunks = ((int64_t)top + 64) / 64;
     const Avx512::FastRegs r = Avx512::load_fast(m);
     const __m512 one = _mm512_set1_ps(1.0f);
     int64_t bad = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
-    for (int64_t c = 0; c < 2 * chunks; ++c) {
+    for (int64_t c = 0; c < 2 * chunks; c += stride) {
         alignas(64) float y[64];
         alignas(64) uint8_t got[64];
         const uint32_t sign = c < chunks ? 0u : 0x80000000u;

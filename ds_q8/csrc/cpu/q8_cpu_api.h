@@ -85,11 +85,14 @@ Q8_DECLARE_ISA(scalar)
 
 // Test probe of the AVX-512 segment search, compiled with Q8_PROBES only (tests/csrc/q8_probe.cpp):
 // mismatches against the lookup table over every float in [-limit, limit] (scaled values, so limit
-// is a little above 1).
-int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int num_threads);
+// is a little above 1). The floats go 64 at a time in order; `stride` > 1 takes every stride-th run
+// of 64 only (the emulated AVX-512 build, whose instructions run in software).
+int64_t fast_search_mismatches_avx512(const uint32_t* lookup, const FastMap& m, float limit, int64_t stride,
+                                      int num_threads);
 // Test probes of the minifloat encoders (Q8_PROBES only, q8_mf_probe.h): codes that differ from q8_mf_code over
-// every float in [-limit, limit] (values in the map's units), with rounding `mode` (Q8_ROUND_*).
-int64_t mf_mismatches_avx512(bool is_signed, int mode, float limit, int num_threads);
-int64_t mf_mismatches_avx2(bool is_signed, int mode, float limit, int num_threads);
+// every float in [-limit, limit] (values in the map's units), with rounding `mode` (Q8_ROUND_*); `stride` as
+// above.
+int64_t mf_mismatches_avx512(bool is_signed, int mode, float limit, int64_t stride, int num_threads);
+int64_t mf_mismatches_avx2(bool is_signed, int mode, float limit, int64_t stride, int num_threads);
 
 }  // namespace ds_q8

@@ -7,16 +7,16 @@ namespace ds_q8 {
 namespace {
 
 // Every float of [-limit, limit] as a block's values scaled by 1 (a stored maximum of 1.9375), 64 at a
-// time: each value's old code and random bits vary with its bit pattern. Returns the count of codes that
-// differ from q8_mf_code's.
+// time (every stride-th run of 64 where stride > 1): each value's old code and random bits vary with its bit
+// pattern. Returns the count of codes that differ from q8_mf_code's.
 template <class Traits, bool kSigned, int kMode>
-int64_t mf_mismatches_as(float limit, int num_threads) {
+int64_t mf_mismatches_as(float limit, int64_t stride, int num_threads) {
     const uint32_t top = q8_bits(limit);
     const int64_t chunks = ((int64_t)top + 64) / 64;
     const uint32_t key = 0x9E3779B9u, mul = q8_state_mul(kSigned ? 0 : 1);
     int64_t bad = 0;
 #pragma omp parallel for num_threads(num_threads) schedule(static) reduction(+ : bad)
-    for (int64_t c = 0; c < 2 * chunks; ++c) {
+    for (int64_t c = 0; c < 2 * chunks; c += stride) {
         alignas(64) float x[64];
         alignas(64) uint8_t got[64], old[64];
         const uint32_t sign = c < chunks ? 0u : 0x80000000u;
@@ -37,9 +37,10 @@ int64_t mf_mismatches_as(float limit, int num_threads) {
 
 }  // namespace
 
-int64_t Q8_MF_PROBE_NAME(bool is_signed, int mode, float limit, int num_threads) {
-#define Q8_MF_PROBE_CASE(SIGNED, MODE) \
-    if (is_signed == SIGNED && mode == MODE) return mf_mismatches_as<Q8_MF_PROBE_TRAITS, SIGNED, MODE>(limit, num_threads);
+int64_t Q8_MF_PROBE_NAME(bool is_signed, int mode, float limit, int64_t stride, int num_threads) {
+#define Q8_MF_PROBE_CASE(SIGNED, MODE)                                                                      \
+    if (is_signed == SIGNED && mode == MODE)                                                                 \
+        return mf_mismatches_as<Q8_MF_PROBE_TRAITS, SIGNED, MODE>(limit, stride, num_threads);
     Q8_MF_PROBE_CASE(true, Q8_ROUND_NEAREST)
     Q8_MF_PROBE_CASE(false, Q8_ROUND_NEAREST)
     Q8_MF_PROBE_CASE(true, Q8_ROUND_STOCHASTIC)
