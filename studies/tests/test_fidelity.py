@@ -11,7 +11,8 @@ width that is a multiple of 64.
 
 The bounds, from the measurements in these configurations (8 steps of batch 8, lr 6e-4): every matrix's
 update at a cosine of at least 0.999 against torch's (measured: 0.9998 at widths 128, 768 and 1600 and on
-GPT-NeoX at 768) and within 1% of its norm (measured: 0.1%); no first moment that torch holds above 0.3
+GPT-NeoX at 768; GPT-2 at 768 and 1600 is checked over the longer horizon below, under tighter bounds,
+and not again here) and within 1% of its norm (measured: 0.1%); no first moment that torch holds above 0.3
 of its gradient scale (|m| > 0.3 sqrt(v)) stored as zero, beyond one in a million weights (measured: none,
 or one of 31 million at 1600, an element whose moment passes near zero at 0.003 of its block's maximum,
 where 8-bit's rounding error is as large as the moment; 4-bit states lose 1.2 million of those 31 million,
@@ -52,8 +53,7 @@ def text():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,width,layers", [("gpt2", 128, 2), ("gpt2", 768, 1), ("gpt2", 1600, 1),
-                                               ("neox", 768, 1)])
+@pytest.mark.parametrize("arch,width,layers", [("gpt2", 128, 2), ("neox", 768, 1)])
 def test_every_weight_matrix_updates_like_torch_adamw(text, arch, width, layers):
     names = ["ds_q8", "ds_q8:bs2048"] if (arch, width) == ("gpt2", 128) else ["ds_q8"]
     rows = {r["optimizer"]: r for r in fidelity.run(arch, width, layers, names, STEPS, LR, 0.01, BATCH, CONTEXT,
