@@ -32,8 +32,9 @@ def load_probe():
 def sweep_stride(isa: str) -> int:
     """1 (every float) for the exhaustive sweeps of an instruction set's code, or 7 (every seventh run of 64
     floats) for AVX-512 emulated in software (tests/test_avx512_emulated.py), where a sweep of every float takes
-    about 30 s a case on one core: the same code, and runs that start at every offset within a binade. Natively
-    (a CPU with AVX-512) the sweeps take every float."""
+    about 30 s a case on one core. A binade holds 2^17 runs (4 mod 7), so the runs taken shift from one binade to
+    the next and any seven binades in a row cover every run position once. Natively (a CPU with AVX-512) the
+    sweeps take every float."""
     from ds_q8.op_builder.cpu import emulating_avx512
 
     return 7 if isa == "avx512" and emulating_avx512() else 1
